@@ -1,0 +1,377 @@
+"""The cost-annotated DAG of one training step: the solver's only input.
+
+A :class:`ComputeGraph` wraps a :class:`networkx.DiGraph`. Every node is one value of
+the training step (a parameter, a buffer, an input, or the output of one op); an edge
+``u -> v`` means that ``v`` reads ``u``'s storage. Node attributes:
+
+``kind``
+    ``"param"``, ``"buffer"``, ``"input"`` (sources, resident for the whole step) or
+    ``"op"`` (computed by the schedule, possibly several times).
+``phase``
+    ``"forward"`` or ``"backward"``.
+``op``
+    the ATen op (``"aten.mm.default"``) or the kind for sources.
+``bytes``
+    bytes of the node's *own* output storage. A view or an in-place result shares its
+    base's storage: it carries 0 bytes, and every reader of the alias also gets an edge
+    from the base, so the base stays live as long as the alias is read.
+``flops``, ``time``
+    floating point operations and seconds (or the benchmark graphs' time units).
+``output``
+    the value is an output of the step (loss, parameter gradients): once computed it
+    stays resident until the step ends.
+``recomputable``
+    ``False`` for values that must not be computed twice (random ops): a schedule
+    computes them once and keeps them until their last use.
+``workspace``
+    extra bytes the op needs while it runs (default 0).
+
+The graph attribute ``order`` is the reference topological order of the op nodes, the
+order that a store-all step runs them in.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+from collections import Counter
+from typing import Any, Hashable, Iterable
+
+import networkx as nx
+
+from graphs.errors import GraphFormatError
+from graphs.units import format_bytes as _fmt_bytes, format_count as _fmt_num
+
+__all__ = ["ComputeGraph", "SCHEMA_VERSION"]
+
+SCHEMA_VERSION = 1
+
+SOURCE_KINDS = ("param", "buffer", "input")
+_DEFAULTS: dict[str, Any] = {
+    "kind": "op",
+    "phase": "forward",
+    "op": "",
+    "bytes": 0,
+    "flops": 0,
+    "time": 0.0,
+    "output": False,
+    "recomputable": True,
+    "workspace": 0,
+}
+
+
+class ComputeGraph:
+    """A cost-annotated DAG of a training step.
+
+    Parameters
+    ----------
+    graph : networkx.DiGraph, optional
+        Nodes with the attributes described in the module docstring; missing attributes
+        take their defaults.
+    name : str, optional
+        A label for reports.
+    order : sequence of node ids, optional
+        Reference topological order of the ``op`` nodes; default: a topological sort
+        that breaks ties by insertion order.
+
+    Examples
+    --------
+    >>> g = ComputeGraph(name="chain")
+    >>> for i, b in enumerate([4, 8, 8, 4]):
+    ...     g.add_node(i, bytes=b, time=1.0, phase="forward" if i < 2 else "backward")
+    >>> g.add_edge(0, 1); g.add_edge(1, 2); g.add_edge(0, 3); g.add_edge(2, 3)
+    >>> g.ops
+    [0, 1, 2, 3]
+    >>> g.saved_bytes()
+    12
+    """
+
+    def __init__(
+        self,
+        graph: nx.DiGraph | None = None,
+        *,
+        name: str = "",
+        order: Iterable[Hashable] | None = None,
+        meta: dict[str, Any] | None = None,
+    ) -> None:
+        self.nx: nx.DiGraph = graph if graph is not None else nx.DiGraph()
+        for _, data in self.nx.nodes(data=True):
+            for key, value in _DEFAULTS.items():
+                data.setdefault(key, value)
+        self.name = name or str(self.nx.graph.get("name", ""))
+        self.meta: dict[str, Any] = dict(meta or {})
+        self._order: list[Hashable] | None = list(order) if order is not None else None
+        self._cache: dict[str, Any] = {}
+
+    # ------------------------------------------------------------------ building
+    def add_node(self, node: Hashable, **attrs: Any) -> None:
+        """Add a node; attributes not given take their defaults."""
+        data = dict(_DEFAULTS)
+        data.update(attrs)
+        self.nx.add_node(node, **data)
+        self._invalidate()
+
+    def add_edge(self, u: Hashable, v: Hashable) -> None:
+        """Add the edge ``u -> v`` (``v`` reads ``u``'s storage)."""
+        self.nx.add_edge(u, v)
+        self._invalidate()
+
+    def _invalidate(self) -> None:
+        self._cache.clear()
+
+    # ------------------------------------------------------------------ views
+    def __len__(self) -> int:
+        return self.nx.number_of_nodes()
+
+    def __contains__(self, node: Hashable) -> bool:
+        return node in self.nx
+
+    def __getitem__(self, node: Hashable) -> dict[str, Any]:
+        return self.nx.nodes[node]
+
+    def __repr__(self) -> str:
+        return f"ComputeGraph(name={self.name!r}, nodes={len(self)}, ops={len(self.ops)})"
+
+    @property
+    def order(self) -> list[Hashable]:
+        """Reference topological order of the ``op`` nodes (a store-all step)."""
+        if "order" not in self._cache:
+            if self._order is not None:
+                order = [n for n in self._order if n in self.nx and self.is_op(n)]
+                if len(order) != len(self.ops_set):
+                    raise GraphFormatError(
+                        f"graph {self.name!r}: the reference order names {len(order)} of "
+                        f"{len(self.ops_set)} op nodes; give every op node exactly once"
+                    )
+            else:
+                index = {n: i for i, n in enumerate(self.nx.nodes)}
+                order = [
+                    n
+                    for n in nx.lexicographical_topological_sort(self.nx, key=index.__getitem__)
+                    if self.is_op(n)
+                ]
+            self._cache["order"] = order
+        return self._cache["order"]
+
+    @order.setter
+    def order(self, value: Iterable[Hashable]) -> None:
+        self._order = list(value)
+        self._invalidate()
+
+    @property
+    def ops(self) -> list[Hashable]:
+        """The op nodes in the reference order."""
+        return self.order
+
+    @property
+    def ops_set(self) -> frozenset:
+        if "ops_set" not in self._cache:
+            self._cache["ops_set"] = frozenset(
+                n for n, k in self.nx.nodes(data="kind") if k == "op"
+            )
+        return self._cache["ops_set"]
+
+    @property
+    def sources(self) -> list[Hashable]:
+        """Parameters, buffers and inputs: resident for the whole step."""
+        return [n for n, k in self.nx.nodes(data="kind") if k in SOURCE_KINDS]
+
+    def is_op(self, node: Hashable) -> bool:
+        return self.nx.nodes[node]["kind"] == "op"
+
+    def op_preds(self, node: Hashable) -> list[Hashable]:
+        """The op nodes that ``node`` reads (sources are always resident)."""
+        return [u for u in self.nx.predecessors(node) if self.is_op(u)]
+
+    def op_succs(self, node: Hashable) -> list[Hashable]:
+        return [v for v in self.nx.successors(node) if self.is_op(v)]
+
+    @property
+    def fixed_bytes(self) -> int:
+        """Bytes resident for the whole step: sources plus ``meta['extra_fixed_bytes']``."""
+        return int(
+            sum(self.nx.nodes[n]["bytes"] for n in self.sources)
+            + self.meta.get("extra_fixed_bytes", 0)
+        )
+
+    def forward_nodes(self) -> list[Hashable]:
+        return [n for n in self.ops if self.nx.nodes[n]["phase"] == "forward"]
+
+    def backward_nodes(self) -> list[Hashable]:
+        return [n for n in self.ops if self.nx.nodes[n]["phase"] == "backward"]
+
+    def saved_for_backward(self) -> list[Hashable]:
+        """Forward values (inputs included, parameters and buffers excluded) that backward reads."""
+        saved = []
+        for n, data in self.nx.nodes(data=True):
+            if data["kind"] in ("param", "buffer"):
+                continue
+            if data["kind"] == "op" and data["phase"] != "forward":
+                continue
+            if any(self.nx.nodes[s]["phase"] == "backward" and self.is_op(s)
+                   for s in self.nx.successors(n)):
+                saved.append(n)
+        return saved
+
+    def saved_bytes(self) -> int:
+        """Bytes that a store-all step keeps from forward for backward.
+
+        Storage-deduplicated (aliases carry 0 bytes and their base is itself saved),
+        inputs included, parameters and buffers excluded.
+        """
+        return int(sum(self.nx.nodes[n]["bytes"] for n in self.saved_for_backward()))
+
+    def total(self, attr: str, nodes: Iterable[Hashable] | None = None) -> float:
+        nodes = self.ops if nodes is None else nodes
+        return sum(self.nx.nodes[n][attr] for n in nodes)
+
+    # ------------------------------------------------------------------ persistence
+    def to_dict(self) -> dict[str, Any]:
+        data = nx.node_link_data(self.nx, edges="links")
+        data["graph"] = {
+            "name": self.name,
+            "remat_schema": SCHEMA_VERSION,
+            "order": list(self.order),
+            "meta": self.meta,
+        }
+        return data
+
+    def save(self, path: str | os.PathLike) -> None:
+        """Write the graph as node-link JSON with a schema version.
+
+        Examples
+        --------
+        >>> import tempfile, pathlib
+        >>> g = ComputeGraph(); g.add_node("a", bytes=4); g.add_node("b", bytes=4)
+        >>> g.add_edge("a", "b")
+        >>> p = pathlib.Path(tempfile.mkdtemp()) / "g.json"
+        >>> g.save(p); ComputeGraph.load(p).ops
+        ['a', 'b']
+        """
+        with open(path, "w") as f:
+            json.dump(self.to_dict(), f, default=_json_default)
+
+    @classmethod
+    def from_dict(cls, data: dict[str, Any], *, name: str = "") -> "ComputeGraph":
+        graph_attrs = data.get("graph", {}) or {}
+        if "remat_schema" in graph_attrs:
+            version = graph_attrs["remat_schema"]
+            if version > SCHEMA_VERSION:
+                raise GraphFormatError(
+                    f"graph schema version {version} is newer than this remat "
+                    f"({SCHEMA_VERSION}); upgrade remat to read it"
+                )
+            g = nx.node_link_graph(data, edges="links", directed=True, multigraph=False)
+            g.graph.clear()
+            return cls(
+                g,
+                name=name or graph_attrs.get("name", ""),
+                order=graph_attrs.get("order"),
+                meta=graph_attrs.get("meta", {}),
+            )
+        return _from_benchmark(cls, data, name=name)
+
+    @classmethod
+    def load(cls, path: str | os.PathLike) -> "ComputeGraph":
+        """Read a graph saved by :meth:`save`, or a public benchmark graph.
+
+        Benchmark graphs (node-link JSON) come in two dialects: Checkmate's training
+        graphs (``cost_cpu``, ``cost_ram``, ``backward``) and the random layered graphs
+        (``duration``, ``out_cost``, graph attribute ``order``). Node ids are kept.
+        """
+        with open(path) as f:
+            try:
+                data = json.load(f)
+            except json.JSONDecodeError as exc:
+                raise GraphFormatError(f"{path}: not JSON ({exc})") from exc
+        name = os.path.splitext(os.path.basename(str(path)))[0]
+        return cls.from_dict(data, name=name)
+
+    # ------------------------------------------------------------------ reports
+    def summary(self, *, top: int = 5) -> str:
+        """A readable table: nodes by phase and kind, FLOPs, time, store-all bytes."""
+        counts = Counter(
+            (d["kind"], d["phase"] if d["kind"] == "op" else "-")
+            for _, d in self.nx.nodes(data=True)
+        )
+        lines = [f"ComputeGraph {self.name!r}: {len(self)} nodes, {self.nx.number_of_edges()} edges"]
+        lines.append(f"  {'kind':<8} {'phase':<9} {'count':>7}")
+        for (kind, phase), c in sorted(counts.items()):
+            lines.append(f"  {kind:<8} {phase:<9} {c:>7}")
+        fwd, bwd = self.forward_nodes(), self.backward_nodes()
+        lines.append(
+            f"  FLOPs: forward {_fmt_num(self.total('flops', fwd))}, "
+            f"backward {_fmt_num(self.total('flops', bwd))}"
+        )
+        lines.append(
+            f"  time:  forward {self.total('time', fwd):.4g}, backward {self.total('time', bwd):.4g}"
+        )
+        param_bytes = sum(self[n]["bytes"] for n in self.sources if self[n]["kind"] == "param")
+        lines.append(f"  parameters: {_fmt_bytes(param_bytes)}; fixed (sources): {_fmt_bytes(self.fixed_bytes)}")
+        lines.append(f"  store-all activations saved for backward: {_fmt_bytes(self.saved_bytes())}")
+        biggest = sorted(self.ops, key=lambda n: -self[n]["bytes"])[:top]
+        if biggest:
+            lines.append(f"  biggest tensors:")
+            for n in biggest:
+                d = self[n]
+                lines.append(f"    {str(n):<24} {d['phase']:<9} {d['op']:<36} {_fmt_bytes(d['bytes'])}")
+        return "\n".join(lines)
+
+
+def _from_benchmark(cls, data: dict[str, Any], *, name: str) -> ComputeGraph:
+    nodes = data.get("nodes")
+    if not nodes:
+        raise GraphFormatError("not a node-link graph: no 'nodes'")
+    links = data.get("links", data.get("edges"))
+    if links is None:
+        raise GraphFormatError("not a node-link graph: no 'links'")
+    g = nx.DiGraph()
+    first = nodes[0]
+    if "cost_ram" in first:  # Checkmate training graphs
+        for n in nodes:
+            g.add_node(
+                n["id"],
+                kind="op",
+                phase="backward" if n.get("backward") else "forward",
+                op=n.get("name", ""),
+                name=n.get("name", ""),
+                bytes=int(n["cost_ram"]),
+                time=float(n["cost_cpu"]),
+            )
+    elif "out_cost" in first:  # random layered graphs
+        for n in nodes:
+            g.add_node(
+                n["id"],
+                kind="op",
+                phase="forward",
+                op="node",
+                bytes=int(n["out_cost"]),
+                time=float(n.get("duration", 0.0)),
+            )
+    else:
+        raise GraphFormatError(
+            "unknown graph format: expected remat's schema, Checkmate's "
+            "(cost_cpu/cost_ram) or random layered (duration/out_cost) node attributes"
+        )
+    for e in links:
+        g.add_edge(e["source"], e["target"])
+    order = None
+    gattr = data.get("graph", {}) or {}
+    if "order" in gattr:
+        raw = gattr["order"]
+        # stored as (len, list) by the generator
+        if isinstance(raw, (list, tuple)) and len(raw) == 2 and isinstance(raw[1], list):
+            raw = raw[1]
+        order = list(raw)
+    if not nx.is_directed_acyclic_graph(g):
+        raise GraphFormatError("benchmark graph has a cycle")
+    return cls(g, name=name or str(gattr.get("name", "")), order=order,
+               meta={"source_format": "checkmate" if "cost_ram" in first else "random_layered"})
+
+
+def _json_default(obj: Any) -> Any:
+    if hasattr(obj, "item"):
+        return obj.item()
+    if isinstance(obj, (set, frozenset, tuple)):
+        return list(obj)
+    return str(obj)

@@ -1,0 +1,71 @@
+"""Exception types of the solvers."""
+
+from __future__ import annotations
+
+from graphs.errors import RematError
+from graphs.units import format_bytes
+
+__all__ = ["RematError", "SolverError", "InfeasibleBudget", "NoScheduleFound"]
+
+
+class SolverError(RematError):
+    """A solver failed or produced a schedule that the simulator rejects."""
+
+
+class NoScheduleFound(SolverError):
+    """A method found no schedule within the budget (the budget may still be feasible).
+
+    Attributes
+    ----------
+    best_peak : int or None
+        The smallest peak the method reached, if any.
+    """
+
+    def __init__(self, message: str, *, best_peak: int | None = None) -> None:
+        super().__init__(message)
+        self.best_peak = best_peak
+
+
+class InfeasibleBudget(RematError, ValueError):
+    """No schedule of the step fits the budget.
+
+    Attributes
+    ----------
+    budget_bytes : int
+    smallest_feasible_bytes : int
+        The smallest peak that a schedule reaches (the least budget to ask for).
+    proven : bool
+        True when ``smallest_feasible_bytes`` is proven optimal, False when it is the
+        best found and only ``lower_bound_bytes`` is proven.
+    lower_bound_bytes : int
+        No schedule peaks below this.
+    culprit : hashable or None
+        The op whose inputs, output and workspace alone force the lower bound.
+    """
+
+    def __init__(
+        self,
+        budget_bytes: int,
+        smallest_feasible_bytes: int,
+        *,
+        lower_bound_bytes: int | None = None,
+        culprit=None,
+        culprit_name: str | None = None,
+        what: str = "peak",
+    ) -> None:
+        self.budget_bytes = int(budget_bytes)
+        self.smallest_feasible_bytes = int(smallest_feasible_bytes)
+        self.lower_bound_bytes = int(lower_bound_bytes if lower_bound_bytes is not None else smallest_feasible_bytes)
+        self.proven = self.lower_bound_bytes >= self.smallest_feasible_bytes
+        self.culprit = culprit
+        msg = (
+            f"budget {format_bytes(self.budget_bytes)} ({self.budget_bytes} B) is infeasible: "
+            f"the smallest feasible {what} is {format_bytes(self.smallest_feasible_bytes)} "
+            f"({self.smallest_feasible_bytes} B)"
+        )
+        if not self.proven:
+            msg += f"; no schedule can go below {format_bytes(self.lower_bound_bytes)} ({self.lower_bound_bytes} B)"
+        if culprit is not None:
+            msg += f"; op {culprit_name or culprit!r} alone needs its inputs + output resident"
+        msg += ". Ask for at least the smallest feasible budget."
+        super().__init__(msg)

@@ -1,0 +1,251 @@
+"""The one judge of a schedule: peak memory, cost and validity under the memory model.
+
+Memory model (the same one the public benchmark graphs use):
+
+* Sources (parameters, buffers, inputs) are resident for the whole step
+  (:attr:`ComputeGraph.fixed_bytes`).
+* Each occurrence of an op node in the sequence makes a new copy of its output. The copy
+  is live from its step until after the last consumer that runs before the node's next
+  occurrence; a node marked ``output`` stays live until the step ends; a copy nobody
+  reads is live during its own step only.
+* The memory at step ``t`` is the fixed bytes plus every live copy at ``t`` (the inputs
+  of the op at ``t`` and its new output included) plus the op's workspace. The peak is
+  the maximum over steps.
+* An op is valid only when every op it reads has a live, on-device copy.
+* Offload: an :class:`~solver.schedule.Offload` moves a copy to host memory during step
+  ``after + 1`` and brings it back during step ``before - 1``; in between it is not
+  charged on the device and cannot be read. A step costs
+  ``max(compute, bytes sent to host / bandwidth, bytes fetched / bandwidth)``.
+
+Complexity: O(len(sequence) x mean in-degree).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Hashable, Sequence
+
+import numpy as np
+
+from graphs import ComputeGraph
+from solver.schedule import Offload, Schedule
+
+__all__ = ["SimulationResult", "simulate"]
+
+
+@dataclass
+class SimulationResult:
+    """What :func:`simulate` finds.
+
+    Attributes
+    ----------
+    valid : bool
+        Every op's inputs were resident on the device when it ran, every op node ran at
+        least once and every output survives to the end.
+    error : str or None
+        The first violation, for people.
+    peak_bytes : int
+        Maximum over steps of the device bytes in use (fixed bytes included).
+    peak_step : int
+        The step at which the peak occurs.
+    cost : float
+        Total time: compute of every occurrence, transfers folded in as
+        ``max(compute, transfer)`` per step.
+    base_cost : float
+        Compute of every op exactly once (the store-all cost).
+    memory_curve : numpy.ndarray
+        Device bytes at every step.
+    recomputations : int
+        Occurrences beyond the first of each node.
+    """
+
+    valid: bool
+    error: str | None
+    peak_bytes: int
+    peak_step: int
+    cost: float
+    base_cost: float
+    memory_curve: np.ndarray = field(repr=False)
+    recomputations: int = 0
+
+    @property
+    def extra_cost(self) -> float:
+        return self.cost - self.base_cost
+
+    @property
+    def overhead(self) -> float:
+        """Extra compute as a fraction of the store-all cost."""
+        return self.extra_cost / self.base_cost if self.base_cost else 0.0
+
+
+def simulate(
+    graph: ComputeGraph,
+    schedule: Schedule | Sequence[Hashable],
+    *,
+    bandwidth: float | None = None,
+) -> SimulationResult:
+    """Replay a schedule under the memory model and grade it.
+
+    Parameters
+    ----------
+    graph : ComputeGraph
+    schedule : Schedule or sequence of node ids
+        A recomputation is a repeated id.
+    bandwidth : float, optional
+        Host link bytes per time unit, needed when the schedule offloads (defaults to
+        ``schedule.bandwidth``).
+
+    Returns
+    -------
+    SimulationResult
+
+    Examples
+    --------
+    >>> g = ComputeGraph()
+    >>> for i in range(3): g.add_node(i, bytes=10, time=1.0)
+    >>> g.add_edge(0, 1); g.add_edge(1, 2); g.add_edge(0, 2)
+    >>> r = simulate(g, [0, 1, 2])
+    >>> r.valid, r.peak_bytes, r.cost
+    (True, 30, 3.0)
+    """
+    if isinstance(schedule, Schedule):
+        sequence = schedule.sequence
+        offloads = schedule.offloads
+        if bandwidth is None:
+            bandwidth = schedule.bandwidth
+    else:
+        sequence = list(schedule)
+        offloads = []
+    g = graph.nx
+    nodes = g.nodes
+    n_steps = len(sequence)
+    fixed = graph.fixed_bytes
+    base_cost = float(sum(nodes[v]["time"] for v in graph.ops))
+
+    error: str | None = None
+    # occurrence bookkeeping
+    occ_start: list[int] = []           # step of each occurrence
+    occ_node: list[Hashable] = []
+    occ_end: list[int] = []              # last step at which the copy is live
+    current: dict[Hashable, int] = {}    # node -> index of its latest occurrence
+    occ_at_step: list[int] = []
+    reads_at_step: list[list[int]] = []
+    seen: set = set()
+    recomputations = 0
+    ops_set = graph.ops_set
+
+    for t, v in enumerate(sequence):
+        if v not in nodes:
+            error = error or f"step {t}: unknown node {v!r}"
+            occ_at_step.append(-1)
+            reads_at_step.append([])
+            continue
+        if v not in ops_set:
+            error = error or f"step {t}: {v!r} is a {nodes[v]['kind']}, not an op"
+        reads = []
+        for u in g.predecessors(v):
+            if u not in ops_set:
+                continue
+            k = current.get(u)
+            if k is None:
+                error = error or f"step {t}: {v!r} reads {u!r}, which has not been computed"
+                continue
+            if occ_end[k] < t:
+                occ_end[k] = t
+            reads.append(k)
+        reads_at_step.append(reads)
+        if v in seen:
+            recomputations += 1
+            if not nodes[v].get("recomputable", True):
+                error = error or f"step {t}: {v!r} is not recomputable (random op) but runs twice"
+        seen.add(v)
+        k = len(occ_start)
+        occ_start.append(t)
+        occ_node.append(v)
+        occ_end.append(t)
+        current[v] = k
+        occ_at_step.append(k)
+
+    missing = [v for v in graph.ops if v not in seen]
+    if missing and error is None:
+        error = f"{len(missing)} op nodes never run, e.g. {missing[0]!r}"
+    # outputs: the latest copy stays live until the end
+    for v, k in current.items():
+        if nodes[v].get("output", False):
+            occ_end[k] = max(n_steps - 1, occ_end[k])
+
+    # offloads: cut [after+2, before-2] out of the copy's device interval
+    d2h = np.zeros(n_steps)
+    h2d = np.zeros(n_steps)
+    holes: list[tuple[int, int, int]] = []  # (occurrence, first hidden step, last hidden step)
+    if offloads:
+        if not bandwidth or bandwidth <= 0:
+            error = error or "the schedule offloads but no positive bandwidth was given"
+        occurrences: dict[Hashable, list[int]] = {}
+        for k, v in enumerate(occ_node):
+            occurrences.setdefault(v, []).append(k)
+        for off in offloads:
+            k = next(
+                (k for k in occurrences.get(off.node, ()) if occ_start[k] <= off.after <= occ_end[k]),
+                None,
+            )
+            if k is None:
+                error = error or f"offload of {off.node!r}: no copy is live at step {off.after}"
+                continue
+            if not (0 <= off.after and off.after + 1 < off.before <= n_steps):
+                error = error or f"offload of {off.node!r}: need 0 <= after < before - 1 < len(sequence)"
+                continue
+            nbytes = nodes[off.node]["bytes"]
+            d2h[off.after + 1] += nbytes
+            h2d[off.before - 1] += nbytes
+            lo, hi = off.after + 2, off.before - 2
+            if lo <= hi:
+                holes.append((k, lo, hi))
+                for t in range(lo, min(hi, n_steps - 1) + 1):
+                    for r in reads_at_step[t]:
+                        if r == k:
+                            error = error or (
+                                f"step {t}: {sequence[t]!r} reads {off.node!r} while it is on the host"
+                            )
+
+    # sweep memory with a difference array
+    delta = np.zeros(n_steps + 1, dtype=np.int64)
+    for k in range(len(occ_start)):
+        b = int(nodes[occ_node[k]]["bytes"])
+        if b:
+            delta[occ_start[k]] += b
+            delta[occ_end[k] + 1] -= b
+    for k, lo, hi in holes:
+        lo2, hi2 = max(lo, occ_start[k]), min(hi, occ_end[k])
+        if lo2 <= hi2:
+            b = int(nodes[occ_node[k]]["bytes"])
+            delta[lo2] -= b
+            delta[hi2 + 1] += b
+    curve = np.cumsum(delta[:n_steps]) + fixed
+    compute = np.array(
+        [float(nodes[v]["time"]) if v in nodes else 0.0 for v in sequence], dtype=float
+    )
+    workspace = np.array(
+        [int(nodes[v].get("workspace", 0)) if v in nodes else 0 for v in sequence], dtype=np.int64
+    )
+    curve = curve + workspace
+    if offloads and bandwidth:
+        step_cost = np.maximum(compute, np.maximum(d2h, h2d) / bandwidth)
+        cost = float(step_cost.sum())
+    else:
+        cost = float(compute.sum())
+    if n_steps:
+        peak_step = int(np.argmax(curve))
+        peak = int(curve[peak_step])
+    else:
+        peak_step, peak = 0, int(fixed)
+    return SimulationResult(
+        valid=error is None,
+        error=error,
+        peak_bytes=peak,
+        peak_step=peak_step,
+        cost=cost,
+        base_cost=base_cost,
+        memory_curve=curve,
+        recomputations=recomputations,
+    )
