@@ -1,0 +1,208 @@
+"""Schedule -> runnable forward and backward fx graphs (the exact, tensor-level rewrite).
+
+The joint ATen graph of a training step (AOTAutograd's, placeholders ``primals_*`` and
+``tangents_*``, outputs = forward outputs then gradients) is cut in two by a schedule:
+
+* the **forward graph** runs the schedule's steps up to the last step that the forward
+  outputs need, and returns the forward outputs plus the values that backward reads
+  before computing them again: exactly the tensors the schedule stores;
+* the **backward graph** runs the remaining steps in the schedule's order: gradients,
+  with every recomputation placed where the schedule puts it (a node computed twice is
+  simply copied twice).
+
+Both graphs use the boxed calling convention, so an input is released as soon as the
+graph no longer needs it, and fx's code generation frees every value after its last use.
+AOTAutograd's runtime runs the pair as one autograd function.
+
+A schedule names the ops of a :class:`~graphs.ComputeGraph` whose node ids are the joint
+graph's node names. Joint nodes the schedule does not name (``getitem`` projections of a
+multi-output op, symbolic-size nodes) are recomputed on demand next to their user.
+"""
+
+from __future__ import annotations
+
+import logging
+import operator
+from typing import Hashable, Iterable, Sequence
+
+import torch
+import torch.fx as fx
+
+from graphs.errors import RematError
+
+__all__ = ["RewriteError", "partition_by_schedule", "boxed"]
+
+log = logging.getLogger(__name__)
+
+
+class RewriteError(RematError):
+    """A schedule that cannot be turned into runnable graphs."""
+
+
+def boxed(gm: fx.GraphModule) -> fx.GraphModule:
+    """Switch ``gm`` to the boxed calling convention (inputs as one list that the graph
+    clears, so each input is freed after its last use)."""
+    gm.graph.set_codegen(fx.graph._BoxedCodeGen())
+    gm.recompile()
+    return gm
+
+
+def _is_tangent(node: fx.Node) -> bool:
+    return node.op == "placeholder" and (
+        node.name.startswith("tangents") or node.meta.get("partitioner_tag") == "is_backward"
+    )
+
+
+def partition_by_schedule(
+    joint: fx.GraphModule,
+    sequence: Sequence[Hashable],
+    *,
+    num_fwd_outputs: int,
+) -> tuple[fx.GraphModule, fx.GraphModule, list[str]]:
+    """Cut a joint graph into forward and backward graphs that run ``sequence``.
+
+    Parameters
+    ----------
+    joint : torch.fx.GraphModule
+        AOTAutograd's joint graph.
+    sequence : sequence of node names
+        The schedule's steps (op nodes only; a repeated name is a recomputation).
+    num_fwd_outputs : int
+        How many of the joint graph's outputs belong to the forward.
+
+    Returns
+    -------
+    forward, backward : torch.fx.GraphModule
+        In the layout AOTAutograd expects: forward returns ``(*fwd_outputs, *saved)``,
+        backward takes ``(*saved, *tangents)`` and returns the gradients.
+    saved : list of str
+        The names of the saved values, in order.
+
+    Raises
+    ------
+    RewriteError
+        A step reads a value that no earlier step made.
+    """
+    nodes = {n.name: n for n in joint.graph.nodes}
+    placeholders = [n for n in joint.graph.nodes if n.op == "placeholder"]
+    primals = [n for n in placeholders if not _is_tangent(n)]
+    tangents = [n for n in placeholders if _is_tangent(n)]
+    out_node = next(n for n in reversed(joint.graph.nodes) if n.op == "output")
+    outputs = list(out_node.args[0])
+    fwd_outs, grads = outputs[:num_fwd_outputs], outputs[num_fwd_outputs:]
+
+    seq = [str(s) for s in sequence]
+    unknown = [s for s in seq if s not in nodes]
+    if unknown:
+        raise RewriteError(f"the schedule names {unknown[0]!r}, which is not a node of the joint graph")
+
+    # the forward segment ends at the last step that the forward outputs need
+    needed_fwd = _ancestors([o for o in fwd_outs if isinstance(o, fx.Node)])
+    first_pos: dict[str, int] = {}
+    for i, s in enumerate(seq):
+        first_pos.setdefault(s, i)
+    split = -1
+    for name in needed_fwd:
+        if nodes[name].op == "call_function" and name in first_pos:
+            split = max(split, first_pos[name])
+    fwd_steps, bwd_steps = seq[: split + 1], seq[split + 1 :]
+    scheduled = set(seq)
+
+    # ---- forward graph
+    fg = fx.Graph()
+    fenv: dict[str, fx.Node] = {}
+    for p in primals:
+        fenv[p.name] = _copy_placeholder(fg, p)
+    def resolve_forward(u: fx.Node) -> fx.Node:
+        if u.op == "call_function" and u.name not in scheduled:
+            return _emit(fg, u, fenv, scheduled, resolve_forward)
+        raise RewriteError(f"forward reads {u.name!r} before the schedule computes it")
+
+    for s in fwd_steps:
+        _emit(fg, nodes[s], fenv, scheduled, resolve_forward)
+    for o in fwd_outs:
+        if isinstance(o, fx.Node) and o.name not in fenv:
+            resolve_forward(o)
+
+    # ---- backward graph: saved values become placeholders (before the tangents) on first read
+    bg = fx.Graph()
+    benv: dict[str, fx.Node] = {}
+    saved: list[str] = []
+    for t in tangents:
+        benv[t.name] = _copy_placeholder(bg, t)
+    first_tangent = next(iter(bg.nodes), None)
+
+    def from_forward(u: fx.Node) -> fx.Node:
+        saved.append(u.name)
+        if first_tangent is not None:
+            with bg.inserting_before(first_tangent):
+                ph = bg.placeholder(u.name)
+        else:
+            ph = bg.placeholder(u.name)
+        ph.meta = dict(fenv[u.name].meta)
+        benv[u.name] = ph
+        return ph
+
+    def resolve_backward(u: fx.Node) -> fx.Node:
+        if u.op == "call_function" and u.name not in scheduled:
+            if all(w.name in benv for w in u.all_input_nodes) or u.name not in fenv:
+                return _emit(bg, u, benv, scheduled, resolve_backward)
+        if u.name in fenv:
+            return from_forward(u)
+        raise RewriteError(f"backward reads {u.name!r} before the schedule computes it")
+
+    for s in bwd_steps:
+        _emit(bg, nodes[s], benv, scheduled, resolve_backward)
+    grad_out = []
+    for g in grads:
+        if isinstance(g, fx.Node):
+            grad_out.append(benv[g.name] if g.name in benv else resolve_backward(g))
+        else:
+            grad_out.append(g)
+    bg.output(tuple(grad_out))
+
+    fg.output(tuple([fenv[o.name] if isinstance(o, fx.Node) else o for o in fwd_outs] + [fenv[s] for s in saved]))
+    fw = fx.GraphModule(joint, fg)
+    bw = fx.GraphModule(joint, bg)
+    fw.graph.eliminate_dead_code()
+    fw.recompile()
+    bw.graph.eliminate_dead_code()
+    bw.recompile()
+    return fw, bw, saved
+
+
+def _ancestors(roots: Iterable[fx.Node]) -> set[str]:
+    seen: set[str] = set()
+    stack = list(roots)
+    while stack:
+        n = stack.pop()
+        if n.name in seen:
+            continue
+        seen.add(n.name)
+        stack.extend(n.all_input_nodes)
+    return seen
+
+
+def _is_projection(node: fx.Node) -> bool:
+    return node.op == "call_function" and node.target is operator.getitem
+
+
+def _copy_placeholder(g: fx.Graph, p: fx.Node) -> fx.Node:
+    new = g.placeholder(p.name)
+    new.meta = dict(p.meta)
+    return new
+
+
+def _emit(g: fx.Graph, node: fx.Node, env: dict[str, fx.Node], scheduled: set[str], resolve) -> fx.Node:
+    """Copy ``node`` into ``g``; inputs missing from ``env`` come from ``resolve``. ``env``
+    maps a name to its latest copy, so a repeated step reads the values current then."""
+    for u in node.all_input_nodes:
+        if u.name not in env:
+            resolve(u)
+    new = g.node_copy(node, lambda n: env[n.name])
+    env[node.name] = new
+    # unscheduled projections of a recomputed multi-output op must read the new copy
+    for user in node.users:
+        if _is_projection(user) and user.name not in scheduled:
+            env.pop(user.name, None)
+    return new

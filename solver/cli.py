@@ -1,0 +1,349 @@
+"""The ``remat`` command line.
+
+``remat methods``
+    list the solver methods.
+``remat solve GRAPH.json --budget B``
+    any method on a saved or benchmark graph; prints the schedule and its decisions.
+``remat sweep GRAPH.json``
+    budgets from the smallest feasible peak to store-all: the Pareto front of memory vs
+    extra compute for chosen methods, as CSV/JSON and a PNG plot.
+``remat show GRAPH.json --budget B --out schedule.png``
+    a schedule as a picture: steps x values, computed / kept / freed / offloaded.
+
+Budgets are bytes (``1.5e9``), units (``800MiB``, ``2GB``) or a fraction of the
+store-all peak (``0.8x``). ``--json`` prints machine-readable output; errors are one line
+on stderr and a non-zero exit status.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import logging
+import re
+import sys
+import time
+from typing import Sequence
+
+__all__ = ["main", "parse_budget"]
+
+_UNITS = {
+    "b": 1, "kb": 1e3, "mb": 1e6, "gb": 1e9, "tb": 1e12,
+    "kib": 1024, "mib": 1024**2, "gib": 1024**3, "tib": 1024**4,
+}
+
+
+class CLIError(Exception):
+    """An error shown to the user as one line."""
+
+
+def parse_budget(text: str, *, store_all_peak: float | None = None) -> int:
+    """Parse ``1.5e9``, ``800MiB``, ``2GB`` or ``0.8x`` (a fraction of the store-all peak).
+
+    Examples
+    --------
+    >>> parse_budget("2KiB")
+    2048
+    >>> parse_budget("0.5x", store_all_peak=1000)
+    500
+    """
+    s = text.strip().lower().replace(" ", "")
+    if s.endswith("x"):
+        if store_all_peak is None:
+            raise CLIError(f"budget {text!r} is relative but no store-all peak is known")
+        return int(float(s[:-1]) * store_all_peak)
+    m = re.fullmatch(r"([0-9.eE+-]+)([a-z]*)", s)
+    if not m or (m.group(2) and m.group(2) not in _UNITS):
+        raise CLIError(f"cannot read budget {text!r}: use bytes, a unit (800MiB, 2GB) or a fraction like 0.8x")
+    return int(float(m.group(1)) * _UNITS.get(m.group(2) or "b", 1))
+
+
+class Progress:
+    """A minimal progress bar on stderr (silent when stderr is not a terminal or --json)."""
+
+    def __init__(self, total: int, label: str, *, enabled: bool = True) -> None:
+        self.total, self.label, self.done = total, label, 0
+        self.enabled = enabled and sys.stderr.isatty()
+        self.t0 = time.perf_counter()
+
+    def step(self, note: str = "") -> None:
+        self.done += 1
+        if not self.enabled:
+            return
+        width = 28
+        fill = int(width * self.done / max(1, self.total))
+        elapsed = time.perf_counter() - self.t0
+        sys.stderr.write(
+            f"\r{self.label} [{'#' * fill}{'.' * (width - fill)}] {self.done}/{self.total} "
+            f"{elapsed:5.1f}s {note[:30]:<30}"
+        )
+        if self.done >= self.total:
+            sys.stderr.write("\n")
+        sys.stderr.flush()
+
+
+def _load_graph(path: str):
+    from graphs import ComputeGraph
+
+    try:
+        return ComputeGraph.load(path)
+    except FileNotFoundError:
+        raise CLIError(f"no such graph file: {path}") from None
+
+
+def _store_all_peak(graph) -> int:
+    from solver.simulate import simulate
+
+    return simulate(graph, graph.order).peak_bytes
+
+
+def cmd_methods(args) -> dict:
+    from solver.registry import methods
+
+    rows = [
+        {"name": m.name, "family": m.family, "exact": m.exact, "order": m.order, "description": m.description}
+        for m in methods().values()
+    ]
+    if not args.json:
+        print(f"{'method':<18} {'family':<10} {'exact':<6} {'order':<6} description")
+        for r in rows:
+            print(f"{r['name']:<18} {r['family']:<10} {str(r['exact']):<6} {r['order']:<6} {r['description']}")
+    return {"methods": rows}
+
+
+def cmd_solve(args) -> dict:
+    from solver.registry import solve
+
+    graph = _load_graph(args.graph)
+    peak = _store_all_peak(graph)
+    budget = parse_budget(args.budget, store_all_peak=peak)
+    options = {}
+    if args.bandwidth is not None:
+        options["bandwidth"] = args.bandwidth
+    schedule = solve(graph, budget, method=args.method, time_limit=args.time_limit, **options)
+    out = schedule.to_dict()
+    out.update(graph=graph.name, store_all_peak=peak, overhead=schedule.overhead)
+    if args.out:
+        with open(args.out, "w") as f:
+            json.dump(out, f, default=str)
+    if not args.json:
+        print(schedule)
+        print(f"store-all peak {peak} B; budget {budget} B ({budget / peak:.3f}x)")
+        print(schedule.table(graph, limit=args.limit))
+    return out
+
+
+def cmd_sweep(args) -> dict:
+    from solver.errors import InfeasibleBudget, NoScheduleFound, SolverError
+    from solver.methods.minpeak import smallest_feasible_peak
+    from solver.registry import solve
+
+    graph = _load_graph(args.graph)
+    peak = _store_all_peak(graph)
+    low, _, _ = smallest_feasible_peak(graph)
+    n = max(2, args.points)
+    budgets = [int(low + (peak - low) * i / (n - 1)) for i in range(n)]
+    methods = args.methods.split(",")
+    bar = Progress(len(budgets) * len(methods), "sweep", enabled=not args.json)
+    rows = []
+    for m in methods:
+        for b in budgets:
+            row = {"method": m, "budget_bytes": b, "budget_fraction": b / peak}
+            try:
+                s = solve(graph, b, method=m, time_limit=args.time_limit)
+                row.update(peak_bytes=s.peak_bytes, overhead=s.overhead, cost=s.cost,
+                           gap=s.gap, solve_seconds=s.solve_seconds, status="ok")
+            except (InfeasibleBudget, NoScheduleFound, SolverError) as exc:
+                row.update(status=type(exc).__name__, error=str(exc).splitlines()[0])
+            rows.append(row)
+            bar.step(f"{m} {b / peak:.2f}x")
+    result = {"graph": graph.name, "store_all_peak": peak, "smallest_feasible": low, "rows": rows}
+    if args.csv:
+        import csv
+
+        keys = ["method", "budget_bytes", "budget_fraction", "status", "peak_bytes", "overhead", "gap", "solve_seconds"]
+        with open(args.csv, "w", newline="") as f:
+            w = csv.DictWriter(f, fieldnames=keys, extrasaction="ignore")
+            w.writeheader()
+            w.writerows(rows)
+    if args.out:
+        with open(args.out, "w") as f:
+            json.dump(result, f, default=str)
+    if args.png:
+        _plot_sweep(result, args.png)
+    if not args.json:
+        print(f"{graph.name}: store-all peak {peak} B, smallest feasible {low} B ({low / peak:.3f}x)")
+        print(f"{'method':<16} {'budget':>8} {'peak':>8} {'extra %':>9} {'gap':>8} {'time s':>8}")
+        for r in rows:
+            if r["status"] == "ok":
+                gap = "-" if r["gap"] is None else f"{100 * r['gap']:.1f}%"
+                print(f"{r['method']:<16} {r['budget_fraction']:>7.3f}x {r['peak_bytes'] / peak:>7.3f}x "
+                      f"{100 * r['overhead']:>9.3f} {gap:>8} {r['solve_seconds']:>8.3f}")
+            else:
+                print(f"{r['method']:<16} {r['budget_fraction']:>7.3f}x {r['status']}")
+    return result
+
+
+def _plot_sweep(result: dict, path: str) -> None:
+    plt = _pyplot()
+    fig, ax = plt.subplots(figsize=(6, 4))
+    peak = result["store_all_peak"]
+    for m in sorted({r["method"] for r in result["rows"]}):
+        pts = [(r["peak_bytes"] / peak, 100 * r["overhead"]) for r in result["rows"]
+               if r["method"] == m and r["status"] == "ok"]
+        if pts:
+            pts.sort()
+            ax.plot([p[0] for p in pts], [p[1] for p in pts], marker="o", label=m)
+    ax.axvline(result["smallest_feasible"] / peak, color="grey", ls=":", label="smallest feasible")
+    ax.set_xlabel("peak memory (x store-all)")
+    ax.set_ylabel("extra compute (% of store-all)")
+    ax.set_title(result["graph"])
+    ax.legend(fontsize=8)
+    fig.tight_layout()
+    fig.savefig(path, dpi=120)
+    plt.close(fig)
+
+
+def _pyplot():
+    try:
+        import matplotlib
+
+        matplotlib.use("Agg")
+        import matplotlib.pyplot as plt
+    except ImportError:
+        raise CLIError('plots need matplotlib: pip install "remat[plot]"') from None
+    return plt
+
+
+def cmd_show(args) -> dict:
+    from solver.registry import solve
+    from solver.simulate import simulate
+
+    graph = _load_graph(args.graph)
+    peak = _store_all_peak(graph)
+    budget = parse_budget(args.budget, store_all_peak=peak)
+    schedule = solve(graph, budget, method=args.method, time_limit=args.time_limit)
+    grid = schedule_grid(graph, schedule)
+    sim = simulate(graph, schedule)
+    if args.out:
+        plt = _pyplot()
+        import numpy as np
+
+        fig, (ax, ax2) = plt.subplots(2, 1, figsize=(8, 7), gridspec_kw={"height_ratios": [4, 1]}, sharex=True)
+        colors = np.array([[1, 1, 1], [0.85, 0.2, 0.2], [0.35, 0.55, 0.9], [0.95, 0.75, 0.2]])
+        img = colors[np.array(grid["cells"], dtype=int).T]
+        ax.imshow(img, aspect="auto", interpolation="nearest")
+        ax.set_ylabel("value (reference order)")
+        ax.set_title(f"{graph.name}: {schedule.method}, +{100 * schedule.overhead:.2f} % compute")
+        ax2.plot(sim.memory_curve / peak)
+        ax2.axhline(budget / peak, color="k", ls="--", lw=1)
+        ax2.set_ylabel("memory (x store-all)")
+        ax2.set_xlabel("step")
+        fig.tight_layout()
+        fig.savefig(args.out, dpi=120)
+        plt.close(fig)
+    if not args.json:
+        print(schedule)
+        print("legend: # computed, | kept, o offloaded, . free")
+        chars = ".#|o"
+        for j, v in enumerate(grid["nodes"][: args.limit]):
+            print(f"{str(v)[:16]:<16} " + "".join(chars[row[j]] for row in grid["cells"]))
+    return {"schedule": schedule.to_dict(), "grid": grid, "png": args.out}
+
+
+def schedule_grid(graph, schedule) -> dict:
+    """Steps x values: 1 = computed at this step, 2 = kept (resident), 3 = offloaded, 0 = free."""
+    nodes = list(graph.order)
+    index = {v: j for j, v in enumerate(nodes)}
+    seq = schedule.sequence
+    ops = graph.ops_set
+    last_use: dict[int, int] = {}
+    current: dict = {}
+    starts = []
+    for t, v in enumerate(seq):
+        for u in graph.nx.predecessors(v):
+            if u in ops and u in current:
+                last_use[current[u]] = t
+        current[v] = len(starts)
+        starts.append((t, v))
+        last_use.setdefault(current[v], t)
+    for v, k in current.items():
+        if graph[v]["output"]:
+            last_use[k] = len(seq) - 1
+    cells = [[0] * len(nodes) for _ in seq]
+    for k, (t0, v) in enumerate(starts):
+        for t in range(t0, last_use[k] + 1):
+            cells[t][index[v]] = 1 if t == t0 else max(cells[t][index[v]], 2)
+    for off in schedule.offloads:
+        for t in range(off.after + 2, off.before - 1):
+            if cells[t][index[off.node]] == 2:
+                cells[t][index[off.node]] = 3
+    return {"nodes": [str(v) for v in nodes], "cells": cells}
+
+
+def _parser() -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(prog="remat", description="Store, recompute or offload: training-step schedules under a memory budget.")
+    p.add_argument("-v", "--verbose", action="store_true", help="log progress details")
+    sub = p.add_subparsers(dest="command", required=True)
+
+    def common(sp, *, graph=True, budget=True):
+        if graph:
+            sp.add_argument("graph", help="a graph saved by remat or a public benchmark graph (JSON)")
+        if budget:
+            sp.add_argument("--budget", required=True, help="bytes, units (800MiB, 2GB) or a fraction of the store-all peak (0.8x)")
+        sp.add_argument("--method", default="auto", help="solver method (see `remat methods`)")
+        sp.add_argument("--time-limit", type=float, default=None, help="seconds for exact methods")
+        sp.add_argument("--json", action="store_true", help="print JSON for scripts")
+
+    sp = sub.add_parser("methods", help="list the solver methods")
+    sp.add_argument("--json", action="store_true")
+    sp.set_defaults(fn=cmd_methods)
+
+    sp = sub.add_parser("solve", help="solve a graph under a budget")
+    common(sp)
+    sp.add_argument("--bandwidth", type=float, default=None, help="host link bytes per time unit (offload)")
+    sp.add_argument("--out", help="write the schedule as JSON")
+    sp.add_argument("--limit", type=int, default=30, help="rows of the decision table")
+    sp.set_defaults(fn=cmd_solve)
+
+    sp = sub.add_parser("sweep", help="Pareto front of memory vs extra compute")
+    common(sp, budget=False)
+    sp.add_argument("--methods", default="eviction,chen_sqrt,chain_dp", help="comma-separated methods")
+    sp.add_argument("--points", type=int, default=8, help="budgets from the smallest feasible to store-all")
+    sp.add_argument("--csv", help="write rows as CSV")
+    sp.add_argument("--out", help="write JSON")
+    sp.add_argument("--png", help="write a plot")
+    sp.set_defaults(fn=cmd_sweep)
+
+    sp = sub.add_parser("show", help="a schedule as a picture")
+    common(sp)
+    sp.add_argument("--out", help="PNG file to write")
+    sp.add_argument("--limit", type=int, default=60, help="rows in the text view")
+    sp.set_defaults(fn=cmd_show)
+    return p
+
+
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    """Entry point of the ``remat`` console script; returns the exit status."""
+    parser = _parser()
+    args = parser.parse_args(argv)
+    logging.basicConfig(level=logging.INFO if args.verbose else logging.WARNING, format="%(message)s")
+    from graphs.errors import RematError
+
+    try:
+        result = args.fn(args)
+    except (CLIError, RematError, ValueError, OSError) as exc:
+        msg = " ".join(str(exc).split())
+        if getattr(args, "json", False):
+            print(json.dumps({"error": msg, "type": type(exc).__name__}))
+        print(f"remat: error: {msg}", file=sys.stderr)
+        return 2 if isinstance(exc, CLIError) else 1
+    if getattr(args, "json", False):
+        print(json.dumps(result, default=str))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
