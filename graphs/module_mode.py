@@ -1,0 +1,233 @@
+"""Layer-level rewrite: run chosen submodules under checkpoint, selective checkpoint or
+offload, the form that trainers, FSDP2 and Hugging Face models compose with.
+
+A plan maps submodule names (``model.get_submodule`` paths) to one of
+
+``"none"``
+    store every activation (plain eager).
+``"full"``
+    non-reentrant :func:`torch.utils.checkpoint.checkpoint`: keep the block's inputs,
+    recompute its forward just before its backward.
+``"selective"``
+    the same with a selective-checkpoint policy
+    (:func:`torch.utils.checkpoint.create_selective_checkpoint_contexts`) that saves the
+    outputs of matmul-like ops and recomputes the cheap rest.
+``"offload"``
+    :class:`torch.autograd.graph.save_on_cpu`: the block's saved tensors go to host
+    memory during forward and come back in backward. (torch's ``*_CPU_OFFLOAD``
+    checkpoint policies are treated as recompute in eager mode; saved-tensor hooks are
+    what really offloads.)
+
+Guarantees: dropout and every other RNG op give the same values on recomputation
+(``preserve_rng_state=True``); buffers that a block mutates in forward (BatchNorm running
+statistics) are updated once per step, not again on recomputation; the wrapped model keeps
+its parameters, ``state_dict`` keys and forward signature. The user's model is not changed
+in behaviour: the wrappers only act while the returned module runs.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import copy
+import functools
+import threading
+from typing import Any, Callable, Mapping
+
+import torch
+from torch import nn
+from torch.utils.checkpoint import checkpoint
+
+from graphs.errors import RematError
+
+__all__ = ["LAYER_ACTIONS", "apply_module_plan", "selective_policy", "ModulePlanError"]
+
+LAYER_ACTIONS = ("none", "selective", "full", "offload")
+
+_state = threading.local()
+
+
+class ModulePlanError(RematError, ValueError):
+    """A module plan that names unknown submodules or actions."""
+
+
+def _active_plan() -> Mapping[str, str] | None:
+    return getattr(_state, "plan", None)
+
+
+def _recomputing() -> bool:
+    return getattr(_state, "recomputing", 0) > 0
+
+
+@contextlib.contextmanager
+def _plan_active(plan: Mapping[str, str]):
+    prev = getattr(_state, "plan", None)
+    _state.plan = plan
+    try:
+        yield
+    finally:
+        _state.plan = prev
+
+
+@contextlib.contextmanager
+def _recompute_flag():
+    _state.recomputing = getattr(_state, "recomputing", 0) + 1
+    try:
+        yield
+    finally:
+        _state.recomputing -= 1
+
+
+def _compute_intensive_ops() -> set:
+    aten = torch.ops.aten
+    ops = {aten.mm.default, aten.addmm.default, aten.bmm.default, aten.baddbmm.default,
+           aten.convolution.default, aten._scaled_dot_product_flash_attention.default,
+           aten._scaled_dot_product_efficient_attention.default, aten.linear.default,
+           aten.matmul.default}
+    for name in ("_scaled_dot_product_flash_attention_for_cpu", "_scaled_dot_product_cudnn_attention"):
+        op = getattr(aten, name, None)
+        if op is not None:
+            ops.add(op.default)
+    return ops
+
+
+def selective_policy(save_ops: set | None = None) -> Callable:
+    """A selective-checkpoint policy: save the outputs of ``save_ops`` (default: matmuls,
+    convolutions and fused attention), recompute everything else.
+
+    Examples
+    --------
+    >>> fn = selective_policy()
+    >>> callable(fn)
+    True
+    """
+    from torch.utils.checkpoint import CheckpointPolicy
+
+    ops = _compute_intensive_ops() if save_ops is None else set(save_ops)
+
+    def policy_fn(ctx, op, *args, **kwargs):
+        return CheckpointPolicy.MUST_SAVE if op in ops else CheckpointPolicy.PREFER_RECOMPUTE
+
+    return policy_fn
+
+
+def _buffers_snapshot(module: nn.Module) -> list[tuple[torch.Tensor, torch.Tensor]]:
+    return [(b, b.detach().clone()) for b in module.buffers() if b is not None]
+
+
+def _context_fn(module: nn.Module, action: str):
+    """Contexts for checkpoint: forward as is; recomputation flagged, with the module's
+    buffers restored afterwards so that running statistics are updated once."""
+
+    def make():
+        if action == "selective":
+            from torch.utils.checkpoint import create_selective_checkpoint_contexts
+
+            fwd_ctx, rec_ctx = create_selective_checkpoint_contexts(selective_policy())
+        else:
+            fwd_ctx, rec_ctx = contextlib.nullcontext(), contextlib.nullcontext()
+        return fwd_ctx, _RecomputeContext(module, rec_ctx)
+
+    return make
+
+
+class _RecomputeContext:
+    def __init__(self, module: nn.Module, inner) -> None:
+        self.module, self.inner = module, inner
+
+    def __enter__(self):
+        self.snapshot = _buffers_snapshot(self.module)
+        self.flag = _recompute_flag()
+        self.flag.__enter__()
+        return self.inner.__enter__()
+
+    def __exit__(self, *exc):
+        try:
+            return self.inner.__exit__(*exc)
+        finally:
+            self.flag.__exit__(*exc)
+            with torch.no_grad():
+                for buf, saved in self.snapshot:
+                    buf.copy_(saved)
+            self.snapshot = []
+
+
+def _wrapped_forward(module: nn.Module, name: str, original: Callable) -> Callable:
+    @functools.wraps(original)
+    def forward(*args: Any, **kwargs: Any) -> Any:
+        plan = _active_plan()
+        action = plan.get(name, "none") if plan is not None else "none"
+        if action == "none" or not torch.is_grad_enabled() or not module.training:
+            return original(*args, **kwargs)
+        if action == "offload":
+            with torch.autograd.graph.save_on_cpu(pin_memory=torch.cuda.is_available()):
+                return original(*args, **kwargs)
+        return checkpoint(
+            original, *args, use_reentrant=False, preserve_rng_state=True,
+            context_fn=_context_fn(module, action), **kwargs,
+        )
+
+    forward.__remat_original__ = original  # type: ignore[attr-defined]
+    return forward
+
+
+def apply_module_plan(model: nn.Module, plan: Mapping[str, str]) -> nn.Module:
+    """Return a drop-in module that runs ``model`` with ``plan`` applied.
+
+    Parameters
+    ----------
+    model : torch.nn.Module
+    plan : mapping of submodule name to action
+        Actions from :data:`LAYER_ACTIONS`. Names are ``model.get_submodule`` paths.
+        Nested checkpoint regions are not allowed (a name inside another planned one).
+
+    Returns
+    -------
+    torch.nn.Module
+        A shallow copy of ``model`` (same class, same parameter and buffer objects, same
+        ``state_dict`` keys) whose forward applies the plan. ``model`` itself behaves as
+        before.
+
+    Raises
+    ------
+    ModulePlanError
+        Unknown submodule or action, or nested regions.
+
+    Examples
+    --------
+    >>> net = nn.Sequential(nn.Linear(4, 4), nn.ReLU(), nn.Linear(4, 1))
+    >>> fast = apply_module_plan(net, {"0": "full"})
+    >>> x = torch.randn(2, 4)
+    >>> torch.equal(fast(x), net(x)), list(fast.state_dict()) == list(net.state_dict())
+    (True, True)
+    """
+    plan = {k: v for k, v in plan.items() if v != "none"}
+    for name, action in plan.items():
+        if action not in LAYER_ACTIONS:
+            raise ModulePlanError(f"unknown action {action!r} for {name!r}; choose one of {LAYER_ACTIONS}")
+        try:
+            model.get_submodule(name)
+        except AttributeError:
+            raise ModulePlanError(f"the model has no submodule {name!r}") from None
+    names = sorted(plan)
+    for a in names:
+        for b in names:
+            if a != b and (b.startswith(a + ".") or a == ""):
+                raise ModulePlanError(f"nested regions: {b!r} lies inside {a!r}; plan one of them")
+    for name in plan:
+        sub = model.get_submodule(name)
+        if not hasattr(sub.forward, "__remat_original__"):
+            sub.forward = _wrapped_forward(sub, name, sub.forward)
+        else:  # already wrapped by an earlier plan: rebind its name lookup
+            sub.forward = _wrapped_forward(sub, name, sub.forward.__remat_original__)
+    wrapper = copy.copy(model)
+    frozen = dict(plan)
+    original_forward = type(model).forward
+
+    @functools.wraps(original_forward)
+    def forward(*args: Any, **kwargs: Any) -> Any:
+        with _plan_active(frozen):
+            return original_forward(wrapper, *args, **kwargs)
+
+    wrapper.forward = forward
+    wrapper.remat_plan = frozen
+    return wrapper
