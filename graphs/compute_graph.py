@@ -25,6 +25,10 @@ the training step (a parameter, a buffer, an input, or the output of one op); an
     computes them once and keeps them until their last use.
 ``workspace``
     extra bytes the op needs while it runs (default 0).
+``group``, ``group_index``, ``run_workspace``
+    set on the outputs of a multi-output op (its projections): computing one runs the
+    whole op; projections that follow each other in ``group_index`` order are one run,
+    and a later one needs only ``run_workspace`` (see :mod:`solver.simulate`).
 
 The graph attribute ``order`` is the reference topological order of the op nodes, the
 order that a store-all step runs them in.
@@ -102,6 +106,10 @@ class ComputeGraph:
         self.meta: dict[str, Any] = dict(meta or {})
         self._order: list[Hashable] | None = list(order) if order is not None else None
         self._cache: dict[str, Any] = {}
+        #: the joint torch.fx graph and capture details, when captured from a model
+        #: (in memory only; not saved to JSON)
+        self.fx = None
+        self.capture_info = None
 
     # ------------------------------------------------------------------ building
     def add_node(self, node: Hashable, **attrs: Any) -> None:
@@ -205,6 +213,8 @@ class ComputeGraph:
         saved = []
         for n, data in self.nx.nodes(data=True):
             if data["kind"] in ("param", "buffer"):
+                continue
+            if data["kind"] == "input" and data["phase"] == "backward":  # tangents
                 continue
             if data["kind"] == "op" and data["phase"] != "forward":
                 continue

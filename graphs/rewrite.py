@@ -118,7 +118,9 @@ def partition_by_schedule(
             return _emit(fg, u, fenv, scheduled, resolve_forward)
         raise RewriteError(f"forward reads {u.name!r} before the schedule computes it")
 
-    for s in fwd_steps:
+    run_of = _runs(seq, nodes, scheduled)
+    for i, s in enumerate(fwd_steps):
+        _start_run(nodes[s], fenv, run_of[i], scheduled)
         _emit(fg, nodes[s], fenv, scheduled, resolve_forward)
     for o in fwd_outs:
         if isinstance(o, fx.Node) and o.name not in fenv:
@@ -145,13 +147,14 @@ def partition_by_schedule(
 
     def resolve_backward(u: fx.Node) -> fx.Node:
         if u.op == "call_function" and u.name not in scheduled:
-            if all(w.name in benv for w in u.all_input_nodes) or u.name not in fenv:
+            if _is_multi_output(u) or all(w.name in benv for w in u.all_input_nodes) or u.name not in fenv:
                 return _emit(bg, u, benv, scheduled, resolve_backward)
         if u.name in fenv:
             return from_forward(u)
         raise RewriteError(f"backward reads {u.name!r} before the schedule computes it")
 
-    for s in bwd_steps:
+    for i, s in enumerate(bwd_steps, start=len(fwd_steps)):
+        _start_run(nodes[s], benv, run_of[i], scheduled)
         _emit(bg, nodes[s], benv, scheduled, resolve_backward)
     grad_out = []
     for g in grads:
@@ -181,6 +184,38 @@ def _ancestors(roots: Iterable[fx.Node]) -> set[str]:
         seen.add(n.name)
         stack.extend(n.all_input_nodes)
     return seen
+
+
+def _is_multi_output(node: fx.Node) -> bool:
+    return node.op == "call_function" and bool(node.users) and all(_is_projection(u) for u in node.users)
+
+
+def _runs(seq: Sequence[str], nodes: dict[str, fx.Node], scheduled: set[str]) -> list[bool]:
+    """For each step: does it continue a run of its multi-output op (it directly follows
+    an earlier projection of the same op)? Otherwise a projection re-runs the op."""
+    index: dict[str, int] = {}
+    for n in nodes.values():
+        if _is_multi_output(n):
+            for i, u in enumerate(u for u in n.users if u.name in scheduled):
+                index[u.name] = i
+    out = []
+    for i, s in enumerate(seq):
+        node = nodes[s]
+        cont = False
+        if i and s in index and seq[i - 1] in index:
+            prev = nodes[seq[i - 1]]
+            cont = prev.args[0] is node.args[0] and index[seq[i - 1]] < index[s]
+        out.append(cont)
+    return out
+
+
+def _start_run(node: fx.Node, env: dict[str, fx.Node], continues: bool, scheduled: set[str]) -> None:
+    """Before a projection that starts a new run, forget the op's earlier copy so that it
+    runs again (a stale tuple would keep all of its outputs alive)."""
+    if _is_projection(node) and not continues:
+        parent = node.args[0]
+        if isinstance(parent, fx.Node) and parent.name not in scheduled:
+            env.pop(parent.name, None)
 
 
 def _is_projection(node: fx.Node) -> bool:

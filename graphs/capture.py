@@ -1,0 +1,623 @@
+"""Capture one training step (forward, loss, backward) as a cost-annotated DAG.
+
+How the step is captured, and why this path
+-------------------------------------------
+1. ``torch.export.export(model, ..., strict=False)`` traces the forward at ATen level
+   without TorchDynamo. Non-strict export handles Hugging Face models (``use_cache=False``),
+   whose mask creation defeats a direct AOTAutograd trace; it records each op's source
+   line and module path (``stack_trace``, ``nn_module_stack``) and keeps in-place ops
+   (``relu_``, ``add_``) visible, which lets us model their results as aliases.
+   Data-dependent Python control flow fails here, with a :class:`CaptureError` that
+   names the source line.
+2. ``torch._functorch.aot_autograd.aot_export_joint_with_descriptors`` traces a small
+   module that replays the exported graph (node by node, so that the metadata is
+   carried over) and computes the loss. It returns the functionalized *joint* graph:
+   forward and backward in one fx graph, with a FakeTensor in ``meta["val"]`` of every
+   node, a ``partitioner_tag`` that tells forward from backward, and a descriptor of
+   every input and output (parameter, buffer, user input, tangent; loss, gradient,
+   mutated buffer). The same object feeds
+   ``aot_compile_joint_with_descriptors(..., partition_fn=...)``, the AOTAutograd
+   runtime that a rewriter uses to run a chosen forward/backward split as one autograd
+   function; :meth:`CaptureInfo.export_joint` re-runs the export for that purpose.
+   ``make_fx`` of a functional train step would also give a joint graph, but no
+   fw/bw tags, no descriptors and no runtime to host the rewritten graphs.
+
+Parameters built on ``torch.device("meta")`` and fake or meta inputs are traced under a
+FakeTensorMode: nothing is allocated for the weights.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import logging
+import operator
+import traceback
+from dataclasses import dataclass
+from typing import Any, Callable
+
+import torch
+import torch.fx
+import torch.fx.traceback as fx_traceback
+from torch.utils import _pytree as pytree
+
+from graphs import costs
+from graphs.compute_graph import ComputeGraph
+from graphs.errors import CaptureError
+from graphs.hardware import Hardware, get_hardware
+
+__all__ = ["capture", "CaptureInfo", "default_loss"]
+
+log = logging.getLogger(__name__)
+
+_RANDOM_OPS = ("rand", "bernoulli", "dropout", "normal", "uniform", "randint", "randperm", "multinomial",
+               "exponential", "geometric", "cauchy", "log_normal", "poisson")
+_INPLACE_EXEMPT = ("copy_",)
+
+
+def default_loss(output: Any) -> torch.Tensor:
+    """The loss of a step whose ``loss_fn`` is not given.
+
+    The output itself when it is a scalar tensor; its ``loss`` when it is a Hugging Face
+    ``ModelOutput`` or a dict that has one; else the sum of ``x.sum()`` over its
+    floating point tensors.
+
+    Examples
+    --------
+    >>> default_loss({"loss": torch.tensor(2.0), "logits": torch.ones(3)})
+    tensor(2.)
+    >>> default_loss((torch.ones(2), torch.ones(3, dtype=torch.long)))
+    tensor(2.)
+    """
+    if isinstance(output, torch.Tensor) and output.dim() == 0 and output.is_floating_point():
+        return output
+    loss = None
+    if isinstance(output, dict) or hasattr(output, "keys"):
+        try:
+            loss = output["loss"] if "loss" in output.keys() else None
+        except Exception:
+            loss = getattr(output, "loss", None)
+    elif hasattr(output, "loss"):
+        loss = output.loss
+    if isinstance(loss, torch.Tensor):
+        return loss
+    if hasattr(output, "to_tuple"):
+        output = output.to_tuple()
+    floats = [t for t in pytree.tree_leaves(output) if isinstance(t, torch.Tensor) and t.is_floating_point()]
+    if not floats:
+        raise CaptureError(
+            "the model returned no floating point tensor to differentiate; pass loss_fn=... "
+            "that maps the model's output to a scalar loss"
+        )
+    total = floats[0].sum()
+    for t in floats[1:]:
+        total = total + t.sum()
+    return total
+
+
+class _Replay(torch.fx.Interpreter):
+    def __init__(self, gm: torch.fx.GraphModule, replace: dict):
+        super().__init__(gm)
+        self._replace = replace
+
+    def call_function(self, target: Any, args: Any, kwargs: Any) -> Any:
+        return self._replace.get(target, target)(*args, **kwargs)
+
+
+@contextlib.contextmanager
+def _python_kernels(replace: dict):
+    """Route ops that composite kernels call internally (e.g. the dropout inside the
+    math attention kernel) to ``replace`` while tracing under the Python dispatcher."""
+    from torch._C import DispatchKey
+
+    saved = []
+    try:
+        for op, fn in replace.items():
+            for key in (DispatchKey.CompositeImplicitAutograd, DispatchKey.Autograd):
+                saved.append((op, key, op.py_kernels.get(key)))
+                op.py_kernels[key] = fn
+            op._dispatch_cache.clear()
+        yield
+    finally:
+        for op, key, fn in saved:
+            if fn is None:
+                op.py_kernels.pop(key, None)
+            else:
+                op.py_kernels[key] = fn
+            op._dispatch_cache.clear()
+
+
+class _LossStep(torch.nn.Module):
+    """Replays the exported forward graph node by node, then computes the loss."""
+
+    def __init__(self, gm: torch.fx.GraphModule, out_spec: Any, loss_fn: Callable[[Any], torch.Tensor],
+                 replace: dict | None = None):
+        super().__init__()
+        self.gm = gm
+        self._out_spec = out_spec
+        self._loss_fn = loss_fn
+        self._replace = dict(replace or {})
+
+    def forward(self, *flat_inputs: Any) -> torch.Tensor:
+        with _python_kernels(self._replace):
+            flat_out = _Replay(self.gm, self._replace).run(*flat_inputs, enable_io_processing=False)
+        if not isinstance(flat_out, (list, tuple)):
+            flat_out = [flat_out]
+        out = pytree.tree_unflatten(list(flat_out), self._out_spec)
+        loss = self._loss_fn(out)
+        if not (isinstance(loss, torch.Tensor) and loss.dim() == 0):
+            raise CaptureError(f"the loss must be a scalar tensor, got {type(loss).__name__} "
+                               f"{getattr(loss, 'shape', '')}; pass loss_fn=...")
+        return loss
+
+
+@dataclass
+class CaptureInfo:
+    """What it takes to re-run the AOTAutograd pipeline on the captured step (in memory).
+
+    Attributes
+    ----------
+    step : torch.nn.Module
+        The module whose forward is one step up to the loss (replays the export).
+    flat_inputs : list
+        Its positional inputs (the flattened user inputs, fake when the capture was).
+    fake_mode : FakeTensorMode or None
+        The mode that ``flat_inputs`` and the step's parameters live in, if fake.
+    joint : JointWithDescriptors
+        The export that produced :attr:`ComputeGraph.fx`.
+    real : bool
+        The inputs and parameters were real tensors.
+    """
+
+    step: torch.nn.Module
+    flat_inputs: list
+    fake_mode: Any
+    joint: Any
+    real: bool
+
+    def export_joint(self, stack: contextlib.ExitStack) -> Any:
+        """Export the joint graph again (same node names) inside ``stack``.
+
+        Pass the result to ``aot_compile_joint_with_descriptors(..., partition_fn=...)``
+        before the stack closes; call the compiled function after.
+        """
+        from torch._functorch.aot_autograd import aot_export_joint_with_descriptors
+
+        stack.enter_context(fx_traceback.preserve_node_meta())
+        if self.fake_mode is not None:
+            stack.enter_context(self.fake_mode)
+        return aot_export_joint_with_descriptors(stack, self.step, tuple(self.flat_inputs))
+
+
+def _user_frame(exc: BaseException) -> str:
+    """The innermost stack frame outside torch/transformers: ``file:line: code``."""
+    frames = traceback.extract_tb(exc.__traceback__)
+    best = ""
+    for fr in frames:
+        fn = fr.filename.replace("\\", "/")
+        if "/torch/" in fn or "/transformers/" in fn or "/graphs/capture" in fn or fn.startswith("<"):
+            continue
+        best = f"{fr.filename}:{fr.lineno}: {(fr.line or '').strip()}"
+    return best
+
+
+def _data_dependent(exc: BaseException) -> bool:
+    names = {type(e).__name__ for e in _chain(exc)}
+    text = " ".join(str(e) for e in _chain(exc))
+    return bool(
+        names & {"DataDependentOutputException", "GuardOnDataDependentSymNode", "UserError",
+                 "DynamicOutputShapeException"}
+        or "data-dependent" in text.lower() or "data dependent" in text.lower()
+    )
+
+
+def _chain(exc: BaseException):
+    seen = set()
+    while exc is not None and id(exc) not in seen:
+        seen.add(id(exc))
+        yield exc
+        exc = exc.__cause__ or exc.__context__
+
+
+def _capture_error(exc: BaseException, stage: str) -> CaptureError:
+    where = ""
+    for e in _chain(exc):
+        where = _user_frame(e) or where
+    first = str(exc).strip().splitlines()[0] if str(exc).strip() else type(exc).__name__
+    if _data_dependent(exc):
+        msg = (f"the model's Python control flow depends on tensor values"
+               f"{' at ' + where if where else ''} ({type(exc).__name__}: {first}). A graph of the "
+               "training step cannot branch on data: express the branch with torch.cond / "
+               "torch.where, move it out of forward, or plan at module level (mode='module') "
+               "instead of capturing the graph.")
+    else:
+        msg = (f"{stage} failed{' at ' + where if where else ''}: {type(exc).__name__}: {first}. "
+               "Check that the model runs on the example inputs; for Hugging Face models build "
+               "them with use_cache=False.")
+    return CaptureError(msg)
+
+
+def _is_fake_or_meta(t: Any) -> bool:
+    from torch._subclasses.fake_tensor import FakeTensor
+
+    return isinstance(t, torch.Tensor) and (isinstance(t, FakeTensor) or t.device.type == "meta")
+
+
+def _to_fake(model: torch.nn.Module, flat_inputs: list, fake_mode: Any) -> tuple[torch.nn.Module, list]:
+    """Fake copies of the model's parameters/buffers and of the inputs (nothing allocated).
+
+    Meta tensors become fake CPU tensors: ops on the meta device take other kernels
+    (some without autograd), while fake tensors trace the real CPU kernels.
+    """
+    import copy
+
+    from torch._subclasses.fake_tensor import FakeTensor
+
+    def fake(t: torch.Tensor) -> torch.Tensor:
+        if isinstance(t, FakeTensor) and t.fake_mode is fake_mode and t.device.type != "meta":
+            return t
+        device = "cpu" if t.device.type == "meta" else t.device
+        with fake_mode:
+            return torch.empty_strided(t.shape, t.stride(), dtype=t.dtype, device=device)
+
+    memo: dict[int, Any] = {}
+    for p in list(model.parameters()) + list(model.buffers()):
+        if id(p) not in memo:
+            if isinstance(p, torch.nn.Parameter):
+                memo[id(p)] = torch.nn.Parameter(fake(p.detach()), requires_grad=p.requires_grad)
+            else:
+                memo[id(p)] = fake(p)
+    fake_model = copy.deepcopy(model, memo=memo)
+    return fake_model, [fake(t) if isinstance(t, torch.Tensor) else t for t in flat_inputs]
+
+
+def _mark_inplace(gm: torch.fx.GraphModule) -> None:
+    for node in gm.graph.nodes:
+        target = node.target
+        if node.op == "call_function" and isinstance(target, torch._ops.OpOverload):
+            schema = target._schema
+            if (schema.returns and schema.returns[0].alias_info is not None
+                    and schema.returns[0].alias_info.is_write
+                    and target.overloadpacket.__name__ not in _INPLACE_EXEMPT):
+                custom = dict(node.meta.get("custom") or {})
+                custom["remat_inplace"] = True
+                node.meta["custom"] = custom
+
+
+def _readable_name(node: torch.fx.Node) -> str:
+    """``module.path:aten.op @ file:line`` from the node's metadata."""
+    stack = node.meta.get("nn_module_stack") or node.meta.get("fwd_nn_module_stack") or {}
+    path = ""
+    if stack:
+        last = list(stack.values())[-1]
+        path = last[0] if isinstance(last, tuple) else str(last)
+    src = costs.source_line(node)
+    text = f"{path}:{_op_name(node)}" if path else _op_name(node)
+    return text + (f" @ {src}" if src else "")
+
+
+def _op_name(node: torch.fx.Node) -> str:
+    if node.target is operator.getitem:
+        return f"getitem[{node.args[1]}]"
+    if isinstance(node.target, torch._ops.OpOverload):
+        return str(node.target)
+    return str(node.target) if node.op == "call_function" else node.op
+
+
+def _is_random(node: torch.fx.Node) -> bool:
+    if not isinstance(node.target, torch._ops.OpOverload):
+        return False
+    if torch.Tag.nondeterministic_seeded in node.target.tags:
+        return True
+    name = node.target.overloadpacket.__name__
+    return any(r in name for r in _RANDOM_OPS)
+
+
+def capture(
+    model: torch.nn.Module,
+    example_inputs: tuple | dict,
+    *,
+    loss_fn: Callable[[Any], torch.Tensor] | None = None,
+    hardware: str | Hardware | None = None,
+    measure_time: bool | None = None,
+    repeats: int = 5,
+    name: str | None = None,
+) -> ComputeGraph:
+    """Capture one training step of ``model`` as a cost-annotated :class:`ComputeGraph`.
+
+    Parameters
+    ----------
+    model : torch.nn.Module
+        In training mode for a training step. Its parameters may be real, fake or meta
+        tensors (``with torch.device("meta"): model = ...`` plans without allocating).
+    example_inputs : tuple or dict
+        Positional arguments, or keyword arguments, of ``model``.
+    loss_fn : callable, optional
+        Maps the model's output to a scalar loss; default :func:`default_loss`.
+    hardware : str or Hardware, optional
+        Spec for roofline times when inputs are fake/meta (default ``"cpu"`` for CPU
+        tensors, ``"h100-pcie5"`` otherwise).
+    measure_time : bool, optional
+        Time every op on the real device (median of ``repeats`` after a warm-up).
+        Default: when the inputs and parameters are real tensors.
+    repeats : int
+        Timed runs per op when measuring.
+    name : str, optional
+        Graph name; default the model's class name.
+
+    Returns
+    -------
+    ComputeGraph
+        Node ids are the fx joint graph's node names. Extra attributes (in memory only):
+        ``cg.fx`` (the joint :class:`torch.fx.GraphModule`) and ``cg.capture_info``
+        (a :class:`CaptureInfo`).
+
+    Raises
+    ------
+    CaptureError
+        The step cannot be traced as one graph (e.g. Python control flow on tensor
+        values); the message names the source line and what to do.
+
+    Examples
+    --------
+    >>> net = torch.nn.Sequential(torch.nn.Linear(4, 8), torch.nn.ReLU(), torch.nn.Linear(8, 1))
+    >>> cg = capture(net, (torch.randn(2, 4),), measure_time=False)
+    >>> sorted({cg[n]["phase"] for n in cg.ops})
+    ['backward', 'forward']
+    >>> cg.saved_bytes() > 0 and cg.total("flops") > 0
+    True
+    """
+    from torch._functorch.aot_autograd import aot_export_joint_with_descriptors
+    if not isinstance(model, torch.nn.Module):
+        raise TypeError(f"model must be a torch.nn.Module, got {type(model).__name__}")
+    if isinstance(example_inputs, dict):
+        args, kwargs = (), dict(example_inputs)
+    elif isinstance(example_inputs, (tuple, list)):
+        args, kwargs = tuple(example_inputs), {}
+    else:
+        args, kwargs = (example_inputs,), {}
+    loss_fn = loss_fn or default_loss
+
+    tensors = [t for t in pytree.tree_leaves((args, kwargs)) if isinstance(t, torch.Tensor)]
+    state = [t for t in list(model.parameters()) + list(model.buffers())]
+    real = not any(_is_fake_or_meta(t) for t in tensors + state)
+    if measure_time is None:
+        measure_time = real
+    if measure_time and not real:
+        raise CaptureError("measure_time=True needs real parameters and inputs; "
+                           "the model or inputs are fake/meta (use measure_time=False for roofline times)")
+
+    fake_mode = None
+    work_model = model
+    flat_in, in_spec = pytree.tree_flatten((args, kwargs))
+    if not real:
+        from torch._subclasses.fake_tensor import FakeTensorMode
+
+        fake_mode = FakeTensorMode(allow_non_fake_inputs=True)
+        work_model, flat_in = _to_fake(model, flat_in, fake_mode)
+    eargs, ekwargs = pytree.tree_unflatten(flat_in, in_spec)
+
+    # 1. forward at ATen level, with source lines
+    try:
+        with fake_mode if fake_mode is not None else contextlib.nullcontext():
+            ep = torch.export.export(work_model, eargs, ekwargs, strict=False)
+    except CaptureError:
+        raise
+    except Exception as exc:
+        raise _capture_error(exc, "tracing the forward (torch.export, non-strict)") from exc
+    fwd = ep.module()
+    _mark_inplace(fwd)
+    user_flat = [t for t in flat_in]
+    fwd_inputs = [n for n in fwd.graph.nodes if n.op == "placeholder"]
+    if len(fwd_inputs) != len(user_flat):  # non-tensor leaves that export folded away
+        user_flat = [t for t in user_flat if isinstance(t, (torch.Tensor, int, float, bool))][: len(fwd_inputs)]
+    out_spec = ep.call_spec.out_spec
+    step = _LossStep(fwd, out_spec, loss_fn, replace=_eager_semantics(
+        [t for t in flat_in if isinstance(t, torch.Tensor)] + list(work_model.parameters())))
+
+    # 2. the joint forward+backward graph
+    try:
+        with contextlib.ExitStack() as stack:
+            stack.enter_context(fx_traceback.preserve_node_meta())
+            if fake_mode is not None:
+                stack.enter_context(fake_mode)
+            joint = aot_export_joint_with_descriptors(stack, step, tuple(user_flat))
+            gm = joint.graph_module
+    except CaptureError:
+        raise
+    except Exception as exc:
+        raise _capture_error(exc, "tracing the backward (AOTAutograd joint export)") from exc
+
+    # 3. costs
+    hw = get_hardware(hardware) if hardware is not None else get_hardware(
+        "cpu" if all(t.device.type == "cpu" for t in tensors + state if not _is_fake_or_meta(t))
+        and any(t.device.type == "cpu" for t in tensors + state) else "h100-pcie5")
+    storage = costs.annotate_storage(gm)
+    costs.annotate_flops(gm)
+    placeholders = [n for n in gm.graph.nodes if n.op == "placeholder"]
+    if measure_time:
+        values = _real_placeholder_values(placeholders, step, user_flat)
+        costs.annotate_measured_time(gm, values, repeats=repeats)
+    else:
+        costs.annotate_roofline_time(gm, hw)
+
+    cg = _build(gm, storage, name=name or type(model).__name__, shared=_shared_sources(placeholders, step))
+    cg.meta.update({
+        "captured_with": "torch.export(strict=False) + aot_export_joint_with_descriptors",
+        "time_source": "measured" if measure_time else f"roofline:{hw.name}",
+        "torch": torch.__version__,
+    })
+    cg.fx = gm
+    cg.capture_info = CaptureInfo(step=step, flat_inputs=user_flat, fake_mode=fake_mode, joint=joint, real=real)
+    return cg
+
+
+def _eager_cpu_dropout(input: torch.Tensor, p: float, train: bool | None) -> torch.Tensor:
+    # what eager dropout does on CPU: a float noise tensor, scaled, then multiplied
+    if not train or p == 0:
+        return input
+    if p == 1:
+        return input * torch.zeros_like(input)
+    noise = torch.empty_like(input).bernoulli_(1 - p).div_(1 - p)
+    return input * noise
+
+
+def _eager_semantics(tensors: list) -> dict:
+    """Op replacements that make the graph do what eager does on the model's device.
+
+    On CPU eager dropout saves a float noise tensor (``native_dropout``, with its
+    boolean mask, is the CUDA kernel): the graph follows eager so that its bytes are
+    what a real step holds.
+    """
+    devices = {t.device.type for t in tensors if t.device.type != "meta"}
+    if devices == {"cpu"}:
+        return {torch.ops.aten.dropout.default: _eager_cpu_dropout}
+    return {}
+
+
+def _real_placeholder_values(placeholders: list, step: torch.nn.Module, user_flat: list) -> list:
+    params = dict(step.named_parameters(remove_duplicate=False))
+    buffers = dict(step.named_buffers())
+    values = []
+    for node in placeholders:
+        desc = node.meta.get("desc")
+        cls = type(desc).__name__
+        if cls == "ParamAOTInput":
+            values.append(params[desc.target].detach())
+        elif cls == "BufferAOTInput":
+            values.append(buffers[desc.target].detach().clone())
+        elif cls == "PlainAOTInput":
+            values.append(user_flat[desc.idx])
+        else:  # tangents and anything else: a tensor like the fake value
+            val = node.meta["val"]
+            values.append(torch.ones(val.shape, dtype=val.dtype, device=val.device))
+    return values
+
+
+def _source_kind(node: torch.fx.Node) -> str:
+    cls = type(node.meta.get("desc")).__name__
+    if cls == "ParamAOTInput":
+        return "param"
+    if cls == "BufferAOTInput":
+        return "buffer"
+    return "input"
+
+
+def _source_name(node: torch.fx.Node) -> str:
+    desc = node.meta.get("desc")
+    target = getattr(desc, "target", None)
+    if isinstance(target, str):
+        return target[3:] if target.startswith("gm.") else target
+    return str(desc) if desc is not None else node.name
+
+
+def _shared_sources(placeholders: list, step: torch.nn.Module) -> dict[str, str]:
+    """Placeholders that are the same tensor as an earlier one (tied weights)."""
+    state = dict(step.named_parameters(remove_duplicate=False))
+    state.update(dict(step.named_buffers(remove_duplicate=False)))
+    first: dict[int, str] = {}
+    shared: dict[str, str] = {}
+    for node in placeholders:
+        target = getattr(node.meta.get("desc"), "target", None)
+        if isinstance(target, str) and target in state:
+            key = id(state[target])
+            if key in first:
+                shared[node.name] = first[key]
+            else:
+                first[key] = node.name
+    return shared
+
+
+def _build(gm: torch.fx.GraphModule, storage: dict, *, name: str, shared: dict[str, str]) -> ComputeGraph:
+    cg = ComputeGraph(name=name)
+    base_of = {n.name: rec.base for n, rec in storage.items()}
+    order = []
+    for node in gm.graph.nodes:
+        if node.op == "output":
+            continue
+        rec = storage[node]
+        phase = "backward" if node.meta.get("partitioner_tag") == "is_backward" else "forward"
+        if node.op == "placeholder":
+            desc = node.meta.get("desc")
+            cg.add_node(node.name, kind=_source_kind(node), phase=phase, op=_source_kind(node),
+                        bytes=0 if node.name in shared else rec.bytes, name=_source_name(node),
+                        alias_of=shared.get(node.name))
+            continue
+        cg.add_node(
+            node.name,
+            kind="op",
+            phase=phase,
+            op=_op_name(node),
+            bytes=rec.bytes,
+            flops=int(node.meta.get("remat_flops", 0)),
+            time=float(node.meta.get("remat_time", 0.0)),
+            recomputable=not _is_random(node),
+            name=_readable_name(node),
+            alias_of=rec.base if rec.alias else None,
+            source=costs.source_line(node),
+        )
+        order.append(node.name)
+        for u in node.all_input_nodes:
+            cg.add_edge(u.name, node.name)
+            b = base_of.get(u.name, u.name)
+            if b != u.name:
+                cg.add_edge(b, node.name)
+    out_node = next(n for n in gm.graph.nodes if n.op == "output")
+    for v in pytree.tree_leaves(out_node.args):
+        if isinstance(v, torch.fx.Node):
+            for n in {v.name, base_of.get(v.name, v.name)}:
+                if cg[n]["kind"] == "op":
+                    cg[n]["output"] = True
+    _fold_multi_output_ops(cg, gm)
+    cg.order = [n for n in order if n in cg.nx]
+    return cg
+
+
+def _fold_multi_output_ops(cg: ComputeGraph, gm: torch.fx.GraphModule) -> None:
+    """Fold each multi-output op into its ``getitem`` projections.
+
+    A projection owns its output storage, but it cannot be computed without running
+    the whole op again. So the op itself is not a node of the DAG: every projection
+    reads the op's inputs and carries a share of its time and FLOPs proportional to its
+    bytes, and the projections form a ``group``. Run alone, a projection's
+    ``workspace`` holds the op's other outputs (they exist while the op runs); right
+    after an earlier projection of the same group (one run of the op) only the outputs
+    still to come count (``run_workspace``). The rewriter re-runs the op exactly when a
+    projection does not directly follow an earlier projection of its group.
+    """
+    for node in gm.graph.nodes:
+        if node.op != "call_function" or node.name not in cg.nx or not node.users:
+            continue
+        if not all(u.target is operator.getitem for u in node.users):
+            continue
+        parent = cg[node.name]
+        projections = [u.name for u in node.users if u.name in cg.nx]
+        sizes = [cg[p]["bytes"] for p in projections]
+        total = sum(sizes)
+        inputs = list(cg.nx.predecessors(node.name))
+        after = total
+        for i, (p, b) in enumerate(zip(projections, sizes)):
+            share = b / total if total else 1.0 / len(projections)
+            after -= b
+            d = cg[p]
+            d["time"] = parent["time"] * share
+            d["flops"] = int(round(parent["flops"] * share))
+            d["workspace"] = int(parent["workspace"]) + total - b
+            d["group"] = node.name
+            d["group_index"] = i
+            d["run_workspace"] = int(parent["workspace"]) + after
+            d["recomputable"] = parent["recomputable"]
+            d["op"] = parent["op"]
+            for u in inputs:
+                cg.add_edge(u, p)
+        cg.nx.remove_node(node.name)
+
+
+class _CallableModule(__import__("types").ModuleType):
+    """``graphs.capture`` names both this module and its function: calling the module
+    calls :func:`capture`, whichever of the two the package attribute holds."""
+
+    def __call__(self, *args: Any, **kwargs: Any) -> ComputeGraph:
+        return capture(*args, **kwargs)
+
+
+__import__("sys").modules[__name__].__class__ = _CallableModule

@@ -1,0 +1,294 @@
+"""Annotation passes over an ATen-level fx graph: storage (alias-aware bytes), FLOPs, time.
+
+Each pass walks the graph once and writes one typed record per node into ``node.meta``
+(the style of ``torch.fx.passes.shape_prop``): :func:`annotate_storage` writes
+``meta["remat_storage"]`` (a :class:`StorageRecord`), :func:`annotate_flops` writes
+``meta["remat_flops"]`` (an int), :func:`annotate_roofline_time` and
+:func:`annotate_measured_time` write ``meta["remat_time"]`` (seconds). The passes read the
+``meta["val"]`` (fake or real tensor) that AOTAutograd leaves on every node.
+
+Example
+-------
+>>> import torch
+>>> from torch.fx.experimental.proxy_tensor import make_fx
+>>> gm = make_fx(lambda a: (a.t() @ a).relu(), tracing_mode="fake")(torch.ones(4, 3))
+>>> records = annotate_storage(gm)
+>>> [(n.name, r.bytes, r.base) for n, r in records.items() if n.op == "call_function"]
+[('t', 0, 'a_1'), ('mm', 36, 'mm'), ('relu', 36, 'relu')]
+>>> annotate_flops(gm)["mm"]
+72
+"""
+
+from __future__ import annotations
+
+import logging
+import operator
+import statistics
+import time
+from dataclasses import dataclass
+from typing import Any, Callable, Mapping
+
+import torch
+import torch.fx
+from torch.utils._pytree import tree_leaves
+
+from graphs.errors import CaptureError
+from graphs.hardware import Hardware
+
+__all__ = [
+    "StorageRecord",
+    "annotate_storage",
+    "annotate_flops",
+    "annotate_roofline_time",
+    "annotate_measured_time",
+    "source_line",
+]
+
+log = logging.getLogger(__name__)
+
+
+@dataclass(frozen=True)
+class StorageRecord:
+    """Where a node's output lives.
+
+    Attributes
+    ----------
+    bytes : int
+        Bytes of storage the node allocates itself: 0 for views, in-place results and
+        the tuple of a multi-output op (its ``getitem`` nodes own the storages).
+    base : str
+        Name of the node that owns the storage the output lives in (the node itself
+        when it allocates).
+    alias : bool
+        The output shares the storage of another node.
+    """
+
+    bytes: int
+    base: str
+    alias: bool
+
+
+def source_line(node: torch.fx.Node) -> str:
+    """``file:line`` of the user code that made ``node`` (or ``""``), from its stack trace."""
+    trace = node.meta.get("stack_trace") or ""
+    last = ""
+    for line in trace.splitlines():
+        line = line.strip()
+        if line.startswith("File "):
+            try:
+                path = line.split('"')[1]
+                lineno = line.split("line ")[1].split(",")[0]
+                last = f"{path.rsplit('/', 1)[-1]}:{lineno}"
+            except IndexError:
+                continue
+    return last
+
+
+def _where(node: torch.fx.Node) -> str:
+    src = source_line(node)
+    return node.format_node() + (f" (from {src})" if src else "")
+
+
+def _tensor_storage_bytes(value: Any) -> int:
+    total = 0
+    for t in tree_leaves(value):
+        if isinstance(t, torch.Tensor):
+            try:
+                total += int(t.untyped_storage().nbytes())
+            except Exception:  # tensors without storage (e.g. some subclasses)
+                total += t.numel() * t.element_size()
+    return total
+
+
+def _tensor_bytes(value: Any) -> int:
+    return sum(
+        t.numel() * t.element_size() for t in tree_leaves(value) if isinstance(t, torch.Tensor)
+    )
+
+
+def _aliased_arg(node: torch.fx.Node) -> torch.fx.Node | None:
+    """The input node whose storage ``node``'s output shares (views, in-place ops)."""
+    target = node.target
+    if target is operator.getitem:
+        return None
+    custom = node.meta.get("custom") or {}
+    if custom.get("remat_inplace") and node.meta.get("partitioner_tag") != "is_backward":
+        first = node.args[0] if node.args else None
+        return first if isinstance(first, torch.fx.Node) else None
+    if not isinstance(target, torch._ops.OpOverload):
+        return None
+    if target is torch.ops.aten._unsafe_view.default:
+        first = node.args[0]
+        return first if isinstance(first, torch.fx.Node) else None
+    schema = target._schema
+    if not schema.returns or schema.returns[0].alias_info is None:
+        return None
+    for i, arg in enumerate(schema.arguments):
+        if arg.alias_info is None:
+            continue
+        value = node.args[i] if i < len(node.args) else node.kwargs.get(arg.name)
+        if isinstance(value, torch.fx.Node):
+            return value
+    return None
+
+
+def annotate_storage(gm: torch.fx.GraphModule) -> dict[torch.fx.Node, StorageRecord]:
+    """Alias-aware storage pass: who owns each node's output storage, and its bytes.
+
+    Views and in-place results (``meta["custom"]["remat_inplace"]``, set by capture for
+    ops that were in-place in the user's program) get 0 bytes and the base of the value
+    they alias. A multi-output op gets 0 bytes; each ``getitem`` owns its output (or
+    aliases the base when the op returns views, e.g. ``split``).
+
+    Returns
+    -------
+    dict
+        node -> :class:`StorageRecord`; also written to ``node.meta["remat_storage"]``.
+    """
+    records: dict[torch.fx.Node, StorageRecord] = {}
+    for node in gm.graph.nodes:
+        if node.op == "output":
+            continue
+        try:
+            val = node.meta.get("val")
+            if node.op in ("placeholder", "get_attr"):
+                rec = StorageRecord(_tensor_storage_bytes(val), node.name, False)
+            elif node.target is operator.getitem:
+                parent = node.args[0]
+                prec = records[parent]
+                if prec.alias:
+                    rec = StorageRecord(0, prec.base, True)
+                else:
+                    rec = StorageRecord(_tensor_storage_bytes(val), node.name, False)
+            else:
+                src = _aliased_arg(node)
+                if src is not None and src in records:
+                    rec = StorageRecord(0, records[src].base, True)
+                elif isinstance(val, (tuple, list)):
+                    rec = StorageRecord(0, node.name, False)
+                else:
+                    rec = StorageRecord(_tensor_storage_bytes(val), node.name, False)
+        except Exception as exc:
+            raise CaptureError(f"cannot size the output of {_where(node)}: {exc}") from exc
+        node.meta["remat_storage"] = rec
+        records[node] = rec
+    return records
+
+
+def _flop_counter(target: Any) -> Callable[..., int] | None:
+    from torch.utils.flop_counter import flop_registry
+
+    if not isinstance(target, torch._ops.OpOverload):
+        return None
+    return flop_registry.get(target.overloadpacket)
+
+
+def _vals(x: Any) -> Any:
+    return torch.fx.node.map_arg(x, lambda n: n.meta.get("val"))
+
+
+def annotate_flops(gm: torch.fx.GraphModule) -> dict[str, int]:
+    """FLOPs of every node by the rules of :mod:`torch.utils.flop_counter` (0 for others).
+
+    Returns
+    -------
+    dict
+        node name -> FLOPs; also written to ``node.meta["remat_flops"]``.
+    """
+    out: dict[str, int] = {}
+    for node in gm.graph.nodes:
+        flops = 0
+        if node.op == "call_function":
+            fn = _flop_counter(node.target)
+            if fn is not None:
+                try:
+                    flops = int(fn(*_vals(node.args), **_vals(node.kwargs), out_val=node.meta.get("val")))
+                except Exception as exc:
+                    raise CaptureError(f"cannot count the FLOPs of {_where(node)}: {exc}") from exc
+        node.meta["remat_flops"] = flops
+        out[node.name] = flops
+    return out
+
+
+def annotate_roofline_time(gm: torch.fx.GraphModule, hardware: Hardware) -> dict[str, float]:
+    """Roofline seconds per node: ``max(flops / peak, bytes moved / bandwidth)``.
+
+    Bytes moved are the tensor bytes the op reads plus those it writes; views,
+    ``getitem`` and sources take no time. Needs :func:`annotate_storage` and
+    :func:`annotate_flops` first.
+    """
+    out: dict[str, float] = {}
+    for node in gm.graph.nodes:
+        seconds = 0.0
+        rec = node.meta.get("remat_storage")
+        if node.op == "call_function" and rec is not None and not rec.alias and node.target is not operator.getitem:
+            moved = _tensor_bytes(_vals(list(node.args) + list(node.kwargs.values()))) + _tensor_bytes(
+                node.meta.get("val")
+            )
+            seconds = hardware.roofline_seconds(node.meta.get("remat_flops", 0), moved)
+        node.meta["remat_time"] = seconds
+        out[node.name] = seconds
+    return out
+
+
+class _TimingInterpreter(torch.fx.Interpreter):
+    def __init__(self, gm: torch.fx.GraphModule, *, repeats: int, sync: Callable[[], None]):
+        super().__init__(gm)
+        self.repeats = repeats
+        self.sync = sync
+        self.times: dict[str, float] = {}
+
+    def run_node(self, n: torch.fx.Node) -> Any:
+        if n.op != "call_function" or n.target is operator.getitem:
+            return super().run_node(n)
+        samples = []
+        result = None
+        for i in range(self.repeats + 1):  # the first run is the warm-up
+            self.sync()
+            t0 = time.perf_counter()
+            result = super().run_node(n)
+            self.sync()
+            if i:
+                samples.append(time.perf_counter() - t0)
+        self.times[n.name] = statistics.median(samples)
+        return result
+
+
+def annotate_measured_time(
+    gm: torch.fx.GraphModule, args: list[Any], *, repeats: int = 5
+) -> dict[str, float]:
+    """Run the graph on real tensors and time every op: the median of ``repeats`` runs
+    after one warm-up run.
+
+    Parameters
+    ----------
+    gm : torch.fx.GraphModule
+    args : list
+        Real values of the placeholders, in order.
+    repeats : int, keyword-only
+
+    Returns
+    -------
+    dict
+        node name -> seconds; also written to ``node.meta["remat_time"]``.
+    """
+    devices = {t.device.type for t in args if isinstance(t, torch.Tensor)}
+    if "cuda" in devices:
+        sync = torch.cuda.synchronize
+    else:
+        def sync() -> None:
+            return None
+    interp = _TimingInterpreter(gm, repeats=max(1, repeats), sync=sync)
+    with torch.no_grad():
+        try:
+            interp.run(*args, enable_io_processing=False)
+        except Exception as exc:
+            raise CaptureError(f"timing the captured graph on real tensors failed: {exc}") from exc
+    for node in gm.graph.nodes:
+        node.meta["remat_time"] = interp.times.get(node.name, 0.0)
+    return dict(interp.times)
+
+
+def storage_records(gm: torch.fx.GraphModule) -> Mapping[str, StorageRecord]:
+    """The ``remat_storage`` records by node name (after :func:`annotate_storage`)."""
+    return {n.name: n.meta["remat_storage"] for n in gm.graph.nodes if "remat_storage" in n.meta}

@@ -1,0 +1,157 @@
+import contextlib
+import operator
+import json
+import resource
+
+import pytest
+import torch
+
+from examples import models
+from graphs import CaptureError, ComputeGraph
+from graphs.capture import capture, default_loss
+from graphs.memory import MemoryTracker, SavedTensorCounter
+from solver.simulate import simulate
+from tests.graphs.conftest import call_model
+
+FAST = ["mlp", "resnet", "unet", "inplace_mlp", "multi_input", "gpt"]
+HF = ["hf_gpt2", "hf_llama"]
+
+
+def _eager_reference(model, inputs):
+    """Saved-for-backward bytes and peak of one eager step, grads initially None."""
+    model.train()
+    for p in model.parameters():
+        p.grad = None
+    with SavedTensorCounter(model) as saved:
+        loss = default_loss(call_model(model, inputs))
+    del loss
+    with MemoryTracker(model, inputs) as tracker:
+        default_loss(call_model(model, inputs)).backward()
+    return saved.bytes, tracker.peak_bytes
+
+
+@pytest.mark.parametrize("name", FAST + [pytest.param(n, marks=pytest.mark.slow) for n in HF])
+def test_zoo_matches_eager_memory(name):
+    model, inputs = models.ZOO[name]()
+    cg = capture(model, inputs, measure_time=False)
+    phases = {cg[n]["phase"] for n in cg.ops}
+    assert phases == {"forward", "backward"}
+    saved, peak = _eager_reference(model, inputs)
+    assert cg.saved_bytes() == pytest.approx(saved, rel=0.02)
+    sim = simulate(cg, cg.order)
+    assert sim.valid, sim.error
+    assert sim.peak_bytes == pytest.approx(peak, rel=0.05)
+
+
+def test_node_attributes_and_fx_ids():
+    model, inputs = models.gpt(n_layer=1)
+    cg = capture(model, inputs, measure_time=False)
+    names = {n.name for n in cg.fx.graph.nodes if n.op != "output"}
+    folded = {n.name for n in cg.fx.graph.nodes
+              if n.op == "call_function" and n.users and all(u.target is operator.getitem for u in n.users)}
+    assert folded, "the GPT has multi-output ops (layer norm, attention)"
+    assert set(cg.nx.nodes) == names - folded
+    for n in cg.ops:  # each projection reads its op's inputs instead of the folded op
+        if cg[n].get("group") is not None:
+            assert cg[n]["group"] in folded and cg[n]["group"] not in cg.nx
+    kinds = {cg[n]["kind"] for n in cg.nx.nodes}
+    assert kinds == {"param", "input", "op"}
+    mm = [n for n in cg.ops if cg[n]["op"] in ("aten.mm.default", "aten.addmm.default")]
+    assert mm and all(cg[n]["flops"] > 0 for n in mm)
+    random = [n for n in cg.ops if not cg[n]["recomputable"]]
+    assert random, "dropout must be marked not recomputable"
+    views = [n for n in cg.ops if cg[n]["op"] in ("aten.view.default", "aten.t.default")]
+    assert views and all(cg[n]["bytes"] == 0 for n in views)
+    for v in views:  # readers of an alias also read its base
+        base = cg[v]["alias_of"]
+        for r in cg.nx.successors(v):
+            assert cg.nx.has_edge(base, r)
+    outputs = [n for n in cg.ops if cg[n]["output"]]
+    grads = [n for n in outputs if cg[n]["phase"] == "backward" and cg[n]["bytes"] > 0]
+    assert len(grads) >= sum(1 for _ in model.parameters()) - 1
+    assert any("blocks.0" in str(cg[n]["name"]) for n in cg.ops)
+
+
+def test_batchnorm_running_stats_are_outputs():
+    model, inputs = models.resnet(blocks=1)
+    cg = capture(model, inputs, measure_time=False)
+    out = [n for n in cg.ops if cg[n]["output"] and cg[n]["phase"] == "forward"]
+    assert len(out) > 1  # the loss and the new running statistics
+
+
+def test_measured_times_are_positive():
+    model, inputs = models.mlp(depth=2)
+    cg = capture(model, inputs, repeats=2)
+    assert cg.meta["time_source"] == "measured"
+    mms = [n for n in cg.ops if "mm" in cg[n]["op"]]
+    assert all(cg[n]["time"] > 0 for n in mms)
+
+
+def test_json_round_trip(tmp_path):
+    model, inputs = models.resnet(blocks=1)
+    cg = capture(model, inputs, measure_time=False)
+    path = tmp_path / "g.json"
+    cg.save(path)
+    back = ComputeGraph.load(path)
+    assert back.order == cg.order
+    assert back.saved_bytes() == cg.saved_bytes()
+    assert simulate(back, back.order).peak_bytes == simulate(cg, cg.order).peak_bytes
+    assert json.loads(path.read_text())["graph"]["remat_schema"] >= 1
+
+
+def test_data_dependent_control_flow_raises():
+    model, inputs = models.data_dependent()
+    with pytest.raises(CaptureError) as info:
+        capture(model, inputs, measure_time=False)
+    msg = str(info.value)
+    assert "models.py" in msg and "h.sum() > 0" in msg
+    assert "torch.cond" in msg
+
+
+def test_meta_capture_allocates_no_weights():
+    with torch.device("meta"):
+        model, inputs = models.gpt(n_layer=2, d=512, vocab=32000, seq=64)
+    weights = sum(p.numel() * 4 for p in model.parameters())
+    before = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024
+    cg = capture(model, inputs)
+    after = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024
+    assert cg.meta["time_source"].startswith("roofline")
+    assert {cg[n]["phase"] for n in cg.ops} == {"forward", "backward"}
+    real_model, real_inputs = models.gpt(n_layer=2, d=64, vocab=256, seq=16)
+    with torch.device("meta"):
+        meta_model, meta_inputs = models.gpt(n_layer=2, d=64, vocab=256, seq=16)
+    assert capture(meta_model, meta_inputs).saved_bytes() == capture(
+        real_model, real_inputs, measure_time=False).saved_bytes()
+    params = sum(cg[n]["bytes"] for n in cg.sources if cg[n]["kind"] == "param")
+    assert params == weights
+    assert after - before < weights / 2
+    assert all(p.device.type == "meta" for p in model.parameters())
+
+
+def test_fake_inputs_match_real_capture():
+    from torch._subclasses.fake_tensor import FakeTensorMode
+
+    model, inputs = models.mlp()
+    real = capture(model, inputs, measure_time=False)
+    mode = FakeTensorMode()
+    fake_inputs = tuple(mode.from_tensor(t) for t in inputs)
+    fake = capture(model, fake_inputs)
+    assert fake.saved_bytes() == real.saved_bytes()
+    assert len(fake) == len(real)
+
+
+def test_joint_reruns_through_aot_runtime():
+    from torch._functorch.aot_autograd import aot_compile_joint_with_descriptors
+
+    model, inputs = models.mlp(depth=2)
+    cg = capture(model, inputs, measure_time=False)
+    with contextlib.ExitStack() as stack:
+        joint = cg.capture_info.export_joint(stack)
+        assert [n.name for n in joint.graph_module.graph.nodes] == [n.name for n in cg.fx.graph.nodes]
+        fn = aot_compile_joint_with_descriptors(joint)
+    params = [p for p in cg.capture_info.step.parameters()]
+    loss = fn(*params, *inputs)
+    loss = loss[0] if isinstance(loss, (tuple, list)) else loss
+    loss.backward()
+    ref = model(*inputs).sum()
+    assert torch.allclose(loss, ref)

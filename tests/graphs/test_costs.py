@@ -1,0 +1,69 @@
+import operator
+
+import pytest
+import torch
+from torch.fx.experimental.proxy_tensor import make_fx
+
+from graphs import CaptureError
+from graphs.costs import annotate_flops, annotate_roofline_time, annotate_storage
+from graphs.hardware import Hardware
+
+
+def _trace(fn, *args):
+    return make_fx(fn, tracing_mode="fake")(*args)
+
+
+def test_views_and_inplace_alias_their_base():
+    gm = _trace(lambda a: a.view(-1).t() if False else (a * 2).view(-1), torch.ones(4, 4))
+    rec = {n.name: r for n, r in annotate_storage(gm).items()}
+    mul = next(n for n in rec if n.startswith("mul"))
+    view = next(n for n in rec if n.startswith("view"))
+    assert rec[mul].bytes == 64 and not rec[mul].alias
+    assert rec[view].bytes == 0 and rec[view].base == mul
+
+
+def test_multi_output_op_getitems_own_storage():
+    gm = _trace(lambda a: torch.ops.aten.native_dropout(a, 0.5, True), torch.ones(8, 8))
+    records = annotate_storage(gm)
+    tup = next(n for n in records if n.op == "call_function" and n.target is not operator.getitem)
+    items = [n for n in records if n.target is operator.getitem]
+    assert records[tup].bytes == 0
+    assert sorted(records[n].bytes for n in items) == [64, 256]  # bool mask, float output
+
+
+def test_split_getitems_are_views():
+    gm = _trace(lambda a: [x * 1 for x in (a * 1).split(2)], torch.ones(4, 4))
+    records = annotate_storage(gm)
+    items = [n for n in records if n.target is operator.getitem]
+    assert items and all(records[n].alias and records[n].bytes == 0 for n in items)
+
+
+def test_flops_follow_flop_counter():
+    a, b = torch.ones(3, 5), torch.ones(5, 7)
+    gm = _trace(torch.mm, a, b)
+    flops = annotate_flops(gm)
+    assert flops[next(n for n in flops if n.startswith("mm"))] == 2 * 3 * 5 * 7
+
+
+def test_roofline_time_is_max_of_compute_and_memory():
+    gm = _trace(lambda a, b: (a @ b).relu(), torch.ones(64, 64), torch.ones(64, 64))
+    annotate_storage(gm)
+    annotate_flops(gm)
+    hw = Hardware("toy", peak_flops=1e9, mem_bandwidth=1e9, host_bandwidth=1e9, memory_bytes=1 << 30)
+    times = annotate_roofline_time(gm, hw)
+    mm = next(n for n in times if n.startswith("mm"))
+    relu = next(n for n in times if n.startswith("relu"))
+    assert times[mm] == pytest.approx(2 * 64**3 / 1e9)
+    assert times[relu] == pytest.approx(2 * 64 * 64 * 4 / 1e9)
+
+
+def test_errors_name_the_node():
+    gm = _trace(torch.mm, torch.ones(2, 2), torch.ones(2, 2))
+    node = next(n for n in gm.graph.nodes if n.op == "call_function")
+    node.meta["val"] = object()  # corrupt the fake value
+    node.args = (node.args[0], node.args[1])
+    for n in gm.graph.nodes:
+        if n.op == "placeholder":
+            n.meta["val"] = None
+    with pytest.raises(CaptureError, match="mm"):
+        annotate_flops(gm)
