@@ -62,7 +62,10 @@ def register(
     """Register ``fn`` as the method ``name`` (decorator)."""
 
     def deco(fn: MethodFn) -> MethodFn:
-        if name in _REGISTRY and _REGISTRY[name].fn is not fn:
+        known = _REGISTRY.get(name)
+        if known is not None and (known.fn.__module__.rsplit(".", 1)[-1], known.fn.__qualname__) != (
+            fn.__module__.rsplit(".", 1)[-1], fn.__qualname__
+        ):
             raise ValueError(f"method {name!r} is registered twice")
         doc = description or ((fn.__doc__ or "").strip().splitlines() or [""])[0]
         _REGISTRY[name] = MethodInfo(name, fn, family, exact, order, doc)

@@ -10,7 +10,9 @@ Memory model (the same one the public benchmark graphs use):
   reads is live during its own step only.
 * The memory at step ``t`` is the fixed bytes plus every live copy at ``t`` (the inputs
   of the op at ``t`` and its new output included) plus the op's workspace. The peak is
-  the maximum over steps.
+  the maximum over steps. Projections of one multi-output op (node attribute
+  ``group``) that directly follow each other in group order are one run of the op:
+  a later one is charged ``run_workspace`` instead of ``workspace``.
 * An op is valid only when every op it reads has a live, on-device copy.
 * Offload: an :class:`~solver.schedule.Offload` moves a copy to host memory during step
   ``after + 1`` and brings it back during step ``before - 1``; in between it is not
@@ -181,6 +183,7 @@ def simulate(
     if offloads:
         if not bandwidth or bandwidth <= 0:
             error = error or "the schedule offloads but no positive bandwidth was given"
+        windows: dict[int, list[tuple[int, int]]] = {}
         occurrences: dict[Hashable, list[int]] = {}
         for k, v in enumerate(occ_node):
             occurrences.setdefault(v, []).append(k)
@@ -199,14 +202,19 @@ def simulate(
             d2h[off.after + 1] += nbytes
             h2d[off.before - 1] += nbytes
             lo, hi = off.after + 2, off.before - 2
+            for a2, b2 in windows.setdefault(k, []):
+                if a2 + 1 <= off.before - 1 and off.after + 1 <= b2 - 1:
+                    error = error or f"offload windows of {off.node!r} overlap"
+            windows[k].append((off.after, off.before))
             if lo <= hi:
                 holes.append((k, lo, hi))
-                for t in range(lo, min(hi, n_steps - 1) + 1):
-                    for r in reads_at_step[t]:
-                        if r == k:
-                            error = error or (
-                                f"step {t}: {sequence[t]!r} reads {off.node!r} while it is on the host"
-                            )
+            # the copy cannot be read from the step after it leaves until it is back
+            for t in range(off.after + 2, off.before):
+                for r in reads_at_step[t]:
+                    if r == k:
+                        error = error or (
+                            f"step {t}: {sequence[t]!r} reads {off.node!r} while it is on the host"
+                        )
 
     # sweep memory with a difference array
     delta = np.zeros(n_steps + 1, dtype=np.int64)
@@ -225,9 +233,7 @@ def simulate(
     compute = np.array(
         [float(nodes[v]["time"]) if v in nodes else 0.0 for v in sequence], dtype=float
     )
-    workspace = np.array(
-        [int(nodes[v].get("workspace", 0)) if v in nodes else 0 for v in sequence], dtype=np.int64
-    )
+    workspace = np.array([_workspace(nodes, sequence, t) for t in range(n_steps)], dtype=np.int64)
     curve = curve + workspace
     if offloads and bandwidth:
         step_cost = np.maximum(compute, np.maximum(d2h, h2d) / bandwidth)
@@ -249,3 +255,19 @@ def simulate(
         memory_curve=curve,
         recomputations=recomputations,
     )
+
+
+def _workspace(nodes, sequence, t: int) -> int:
+    """Workspace of step ``t``. Projections of one multi-output op (same ``group``) that
+    follow each other in group order are one run of the op: a later one is charged only
+    for the outputs still to come (``run_workspace``), the earlier ones being live nodes."""
+    v = sequence[t]
+    if v not in nodes:
+        return 0
+    d = nodes[v]
+    group = d.get("group")
+    if group is not None and t > 0:
+        prev = nodes.get(sequence[t - 1]) if sequence[t - 1] in nodes else None
+        if prev is not None and prev.get("group") == group and prev.get("group_index", 0) < d.get("group_index", 0):
+            return int(d.get("run_workspace", d.get("workspace", 0)))
+    return int(d.get("workspace", 0))
