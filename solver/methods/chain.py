@@ -1,0 +1,434 @@
+"""Optimal checkpointing of a heterogeneous chain: a rotor-style dynamic program.
+
+Beaumont, Eyraud-Dubois, Herrmann, Joly, Shilova (2019), "Optimal checkpointing for
+heterogeneous chains: how to train deep neural networks with limited memory"
+(arXiv:1911.13214). The graph's stages (:func:`solver.plans.forward_stages`) form the
+chain. To run the backward of stages ``s..t`` from the stored input of stage ``s``, a
+schedule either
+
+* runs stage ``s`` keeping what its backward reads, solves ``s+1..t``, then runs the
+  backward of ``s``; or
+* runs stages ``s..s'-1`` keeping only the boundary of ``s'-1``, solves ``s'..t`` from
+  it, then solves ``s..s'-1`` -- either recomputing the boundary of ``s'-1`` or keeping
+  it until the backward of ``s'-1`` reads it (useful when a stage's backward reads its
+  own output, as autograd's does).
+
+Memory is exact per stage (each stage's peaks come from a local replay of the
+simulator's rules) and is discretised in slots of ``ceil(budget / slots)`` bytes,
+rounded conservatively: costs and needs only grow, so no schedule the program accepts
+is over the budget in its own model. The sequence it emits is then graded by
+:func:`solver.simulate`; where the model misses something (values that cross stages
+outside the chain's interface), a lower internal limit is tried until the simulated
+schedule fits. With one byte per slot (small graphs) the program is exactly optimal
+over its family. On uniform training chains that family holds the optimum of every
+sequence; on heterogeneous ones it can miss schedules that drop a checkpoint after
+advancing from it and redo the stages below it from an earlier checkpoint (a few
+per cent of the budgets of small random chains, by a few per cent of the cost).
+
+Complexity: O(S^3 x slots) time and O(S^2 x slots) memory for S stages (numpy over
+the slot axis).
+"""
+
+from __future__ import annotations
+
+import logging
+import math
+from dataclasses import dataclass
+from typing import Hashable, Iterable, Sequence
+
+import numpy as np
+
+from graphs import ComputeGraph
+from solver.errors import NoScheduleFound
+from solver.plans import Stage, cheapest_fitting, forced_keep, forward_stages, has_backward
+from solver.registry import register
+from solver.schedule import Schedule
+from solver.simulate import simulate
+
+__all__ = ["ChainModel", "chain_model", "chain_dp"]
+
+log = logging.getLogger(__name__)
+
+
+def _local_peak(graph: ComputeGraph, ops: Sequence[Hashable], pre: Iterable[Hashable],
+                keep_after: set) -> int:
+    """Peak bytes of running ``ops`` with only ``pre`` live at the start, under the
+    simulator's rules restricted to these values: a value is live until its last reader
+    in ``ops``, or to the end when it is in ``keep_after``."""
+    nodes = graph.nx.nodes
+    last: dict = {}
+    pre = list(pre)
+    for v in pre:
+        last[v] = -1
+    for t, v in enumerate(ops):
+        last[v] = t
+        for u in graph.op_preds(v):
+            if u in last:
+                last[u] = t
+    end = len(ops)
+    for v in keep_after:
+        if v in last:
+            last[v] = end
+    delta = [0] * (end + 2)
+    start = {v: 0 for v in pre}
+    for t, v in enumerate(ops):
+        start[v] = t
+    for v, s in start.items():
+        b = int(nodes[v]["bytes"])
+        e = last[v]
+        if e < s:
+            e = s if v not in pre else -1
+        if e >= s:
+            delta[s] += b
+            delta[e + 1] -= b
+    peak, cur = 0, 0
+    for t in range(end):
+        cur += delta[t]
+        w = int(nodes[ops[t]].get("workspace", 0))
+        peak = max(peak, cur + w)
+    return peak
+
+
+@dataclass
+class ChainModel:
+    """Per-stage costs and memory of the stage chain (bytes, time units).
+
+    Attributes
+    ----------
+    stages : list of Stage
+    fwd, fwd_nb, bwd : numpy.ndarray
+        Forward time of each stage, the same without its boundary op, backward time.
+    wx : numpy.ndarray
+        Bytes of each stage's boundary (its checkpoint).
+    xbar, xbar_nb : numpy.ndarray
+        Bytes a stage keeps for its backward (boundary included / excluded).
+    pn, pn_in : numpy.ndarray
+        Peak of a forward run that keeps only the boundary, without / with the stage's
+        input counted.
+    pa, pa_nb : numpy.ndarray
+        Peak of a forward run that keeps what the backward reads (boundary recomputed /
+        already held).
+    pb : numpy.ndarray
+        Peak of the stage's backward, the stage's kept values and incoming gradients
+        included.
+    grad : numpy.ndarray
+        ``grad[i]``: bytes of backward values made by stages >= i and still needed
+        (read by stages < i, or step outputs); ``grad[S] = 0``.
+    """
+
+    stages: list
+    fwd: np.ndarray
+    fwd_nb: np.ndarray
+    bwd: np.ndarray
+    wx: np.ndarray
+    xbar: np.ndarray
+    xbar_nb: np.ndarray
+    pn: np.ndarray
+    pn_in: np.ndarray
+    pa: np.ndarray
+    pa_nb: np.ndarray
+    pb: np.ndarray
+    grad: np.ndarray
+
+
+def chain_model(graph: ComputeGraph, stages: list[Stage] | None = None) -> ChainModel:
+    """Measure each stage of the chain for the dynamic program.
+
+    Examples
+    --------
+    >>> from solver.synthetic import training_chain
+    >>> m = chain_model(training_chain(3, fwd_bytes=[1, 2, 3]))
+    >>> m.wx.tolist(), m.xbar.tolist()
+    ([1, 2, 1], [1, 2, 4])
+    """
+    stages = forward_stages(graph) if stages is None else stages
+    nodes = graph.nx.nodes
+    L = len(stages)
+    stage_of_b = {b: st.index for st in stages for b in st.backward}
+
+    def arr():
+        return np.zeros(L, dtype=np.int64)
+
+    fwd, fwd_nb, bwd = np.zeros(L), np.zeros(L), np.zeros(L)
+    wx, xbar, xbar_nb, pn, pn_in, pa, pa_nb, pb = (arr() for _ in range(8))
+    grad = np.zeros(L + 1, dtype=np.int64)
+    # backward values crossing each interface
+    for b, i in stage_of_b.items():
+        readers = [stage_of_b.get(w, -1) for w in graph.op_succs(b)]
+        lowest = min(readers, default=i)
+        if nodes[b].get("output", False):
+            lowest = -1
+        # alive from the end of stage i's backward until stage `lowest`'s backward
+        for j in range(lowest + 1, i + 1):
+            grad[j] += int(nodes[b]["bytes"])
+    for st in stages:
+        i = st.index
+        F, B = st.forward, st.backward
+        x = st.boundary
+        bset = set(B)
+        keepb = {v for v in F if any(w in bset for w in graph.op_succs(v))} | {x}
+        fwd[i] = sum(nodes[v]["time"] for v in F)
+        fwd_nb[i] = fwd[i] - nodes[x]["time"]
+        bwd[i] = sum(nodes[v]["time"] for v in B)
+        wx[i] = int(nodes[x]["bytes"])
+        xbar[i] = sum(int(nodes[v]["bytes"]) for v in keepb)
+        xbar_nb[i] = xbar[i] - wx[i]
+        pn[i] = _local_peak(graph, F, [], {x})
+        prev = [stages[i - 1].boundary] if i > 0 else []
+        pn_in[i] = _local_peak(graph, F, prev, {x})
+        pa[i] = _local_peak(graph, F, [], keepb)
+        pa_nb[i] = _local_peak(graph, F[:-1], [], keepb - {x})
+        # incoming gradients: backward values of later stages still alive at stage i
+        incoming = [b for b, j in stage_of_b.items() if j > i and _alive_at(graph, b, i, stage_of_b)]
+        out_b = {b for b in B if nodes[b].get("output", False)
+                 or any(stage_of_b.get(w, -1) < i for w in graph.op_succs(b))}
+        keep_in = {b for b in incoming if _read_below(graph, b, i, stage_of_b) or nodes[b].get("output", False)}
+        pb[i] = _local_peak(graph, B, list(keepb) + incoming, out_b | keep_in)
+    return ChainModel(stages, fwd, fwd_nb, bwd, wx, xbar, xbar_nb, pn, pn_in, pa, pa_nb, pb, grad)
+
+
+def _alive_at(graph, b, i, stage_of_b) -> bool:
+    if graph[b].get("output", False):
+        return True
+    return any(stage_of_b.get(w, -1) <= i for w in graph.op_succs(b))
+
+
+def _read_below(graph, b, i, stage_of_b) -> bool:
+    return any(stage_of_b.get(w, -1) < i for w in graph.op_succs(b))
+
+
+class _Program:
+    """The table of the dynamic program: ``cost[s, t, f, m]`` is the least time to run
+    the backward of stages ``s..t`` from the stored input of ``s`` within ``m`` slots
+    above what is live outside (``f = 1``: the boundary of ``t`` is already computed and
+    held; the subproblem counts it until the backward of ``t`` has read it)."""
+
+    def __init__(self, model: ChainModel, unit: int, slots: int) -> None:
+        self.model = model
+        self.unit = unit
+        self.slots = slots
+        L = len(model.stages)
+        M = slots + 1
+        self.cost = np.full((L, L, 2, M + 1), np.inf)  # column 0: "below zero", always inf
+        self.choice = np.zeros((L, L, 2, M + 1), dtype=np.int32)
+        self._run()
+
+    def need(self, b) -> np.ndarray:
+        """Slots needed to hold ``b`` bytes (conservative: up for positive, down for negative)."""
+        return np.ceil(np.asarray(b, dtype=float) / self.unit).astype(np.int64)
+
+    def _run(self) -> None:
+        md = self.model
+        L = len(md.stages)
+        M = self.slots + 1
+        cols = np.arange(M)  # slot counts 0..slots, stored at column c + 1
+        C, K = self.cost, self.choice
+        fcum = np.concatenate([[0.0], np.cumsum(md.fwd)])
+        # chain peak of running stages s..s'-1 keeping only boundaries
+        for d in range(L):
+            for s in range(L - d):
+                t = s + d
+                for f in (0, 1):
+                    best = np.full(M, np.inf)
+                    arg = np.zeros(M, dtype=np.int32)
+                    # option A: forward s keeping its backward's values
+                    held = md.wx[t] if f else 0  # x_t, held outside until B(t) reads it
+                    if d == 0:
+                        fc = md.fwd_nb[s] if f else md.fwd[s]
+                        pk = max(held + md.pa_nb[s] if f else md.pa[s], md.pb[s] - md.grad[s + 1])
+                        ok = cols >= self.need(pk)
+                        best = np.where(ok, fc + md.bwd[s], np.inf)
+                    else:
+                        sub = self._shift(C[s + 1, t, f], self.need(md.xbar[s]))
+                        req = self.need(max(md.pa[s] + held, md.pb[s] - md.grad[t + 1]))
+                        val = md.fwd[s] + md.bwd[s] + sub
+                        best = np.where(cols >= req, val, np.inf)
+                    # option B: split at s' in s+1..t, keeping (k=1) or recomputing (k=0) x_{s'-1}
+                    if d > 0:
+                        sp = np.arange(s + 1, t + 1)
+                        pin = md.pn_in[s + 1:t + 1]
+                        chainpk = np.maximum.accumulate(np.concatenate([[md.pn[s]], pin]))[:-1] + held
+                        req = self.need(chainpk)[:, None]
+                        fcost = (fcum[sp] - fcum[s])[:, None]
+                        t1 = self._shift_rows(C[s + 1:t + 1, t, f], self.need(md.wx[sp - 1]))
+                        for k in (0, 1):
+                            shift = self.need(md.grad[sp] - md.grad[t + 1])
+                            t2 = self._shift_rows(C[s, s:t, k], shift)
+                            val = fcost + t1 + t2
+                            val = np.where(cols[None, :] >= req, val, np.inf)
+                            j = np.argmin(val, axis=0)
+                            v = val[j, cols]
+                            better = v < best
+                            best = np.where(better, v, best)
+                            arg = np.where(better, 1 + 2 * j + k, arg)
+                    C[s, t, f, 1:] = best
+                    K[s, t, f, 1:] = arg
+
+    def _shift(self, row: np.ndarray, by) -> np.ndarray:
+        """``row`` (with the inf column 0) read at slot ``m - by`` for every m."""
+        M = self.slots + 1
+        idx = np.clip(np.arange(M) - int(by), -1, M - 1) + 1
+        return row[idx]
+
+    def _shift_rows(self, rows: np.ndarray, by: np.ndarray) -> np.ndarray:
+        M = self.slots + 1
+        idx = np.clip(np.arange(M)[None, :] - by[:, None], -1, M - 1) + 1
+        return np.take_along_axis(rows, idx, axis=1)
+
+    def emit(self, m: int) -> list:
+        """The op sequence of the table's choice with ``m`` slots at the top level."""
+        md = self.model
+        st = md.stages
+        L = len(st)
+        seq: list = []
+        stack: list = [("solve", 0, L - 1, 0, m)]
+        while stack:
+            item = stack.pop()
+            if item[0] == "ops":
+                seq.extend(item[1])
+                continue
+            _, s, t, f, mm = item
+            mm = min(max(mm, 0), self.slots)
+            c = int(self.choice[s, t, f, mm + 1])
+            if c == 0:
+                fwd_ops = st[s].forward[:-1] if (f and s == t) else st[s].forward
+                seq.extend(fwd_ops)
+                if s < t:
+                    stack.append(("ops", st[s].backward))
+                    stack.append(("solve", s + 1, t, f, mm - int(self.need(md.xbar[s]))))
+                else:
+                    seq.extend(st[s].backward)
+            else:
+                j, k = divmod(c - 1, 2)
+                sp = s + 1 + j
+                for i in range(s, sp):
+                    seq.extend(st[i].forward)
+                shift = int(self.need(md.grad[sp] - md.grad[t + 1]))
+                stack.append(("solve", s, sp - 1, k, mm - shift))
+                stack.append(("solve", sp, t, f, mm - int(self.need(md.wx[sp - 1]))))
+        return seq
+
+
+def _drop_forced_repeats(graph: ComputeGraph, seq: list) -> list:
+    forced = forced_keep(graph)
+    if not forced:
+        return seq
+    seen: set = set()
+    out = []
+    for v in seq:
+        if v in forced and v in seen:
+            continue
+        seen.add(v)
+        out.append(v)
+    return out
+
+
+@register("chain_dp", family="chain", order="fixed")
+def chain_dp(
+    graph: ComputeGraph,
+    budget_bytes: int,
+    *,
+    time_limit=None,
+    slots: int | None = None,
+    **_,
+) -> Schedule:
+    """Optimal rotor-style checkpointing of the graph's stage chain.
+
+    Parameters
+    ----------
+    graph : ComputeGraph
+    budget_bytes : int
+    time_limit : float, optional
+        Unused (the program runs in O(S^3 x slots)).
+    slots : int, optional
+        Memory resolution: the budget above the fixed bytes is cut into this many slots
+        (one byte per slot when it has fewer bytes, which makes the program exact).
+        Default: 400, fewer for long chains (about 10^7 / S^3 x 6, at least 32) so that
+        the program answers in about a second.
+
+    Returns
+    -------
+    Schedule
+        ``info["model_cost"]``: the program's own cost; ``info["slots_used"]``.
+
+    Raises
+    ------
+    NoScheduleFound
+        No schedule of the family fits (or the graph has no backward and store-all does
+        not fit).
+
+    Examples
+    --------
+    >>> from solver.synthetic import training_chain
+    >>> import solver
+    >>> g = training_chain(6)
+    >>> solver.solve(g, 7, method="chain_dp").cost > solver.solve(g, 100, method="chain_dp").cost
+    True
+    """
+    if not has_backward(graph) or not forward_stages(graph):
+        seq, info = cheapest_fitting(graph, [(list(graph.order), {"plan": "store_all"})], budget_bytes,
+                                     method="chain_dp")
+        return Schedule(sequence=seq, method="chain_dp", info=dict(info, order="fixed"))
+    stages = forward_stages(graph)
+    model = chain_model(graph, stages)
+    avail = int(budget_bytes) - graph.fixed_bytes
+    if avail <= 0:
+        raise NoScheduleFound(f"chain_dp: the fixed bytes alone exceed the budget of {budget_bytes} B",
+                              best_peak=graph.fixed_bytes)
+    if slots is None:
+        L = len(stages)
+        slots = int(min(400, max(32, 6e6 / max(1, L**3 / 6 * 4))))
+    unit = max(1, math.ceil(avail / max(1, int(slots))))
+    top = avail // unit
+    total = int(model.xbar.sum() + model.grad.max() + model.pb.max() + model.pa.max())
+    span = max(top, min(total // unit + 1, top + top // 8))
+    prog = _Program(model, unit, span)
+    row = prog.cost[0, len(stages) - 1, 0, 1:]
+    finite = np.flatnonzero(np.isfinite(row))
+    if finite.size == 0:
+        raise NoScheduleFound(
+            "chain_dp: no schedule of the chain family fits even with every slot; "
+            "use a general method such as 'dtr' or 'milp'", best_peak=None)
+    # try the top level at the budget, then cheaper settings above it (the model is
+    # conservative), then lower limits until the simulated peak fits
+    tried: dict[tuple, tuple] = {}
+    best = None
+    best_peak = None
+
+    def attempt(m: int):
+        nonlocal best, best_peak
+        seq = _drop_forced_repeats(graph, prog.emit(m))
+        key = tuple(seq)
+        if key in tried:
+            return tried[key]
+        r = simulate(graph, seq)
+        tried[key] = (r.valid and r.peak_bytes <= budget_bytes, r)
+        if r.valid:
+            best_peak = r.peak_bytes if best_peak is None else min(best_peak, r.peak_bytes)
+            if r.peak_bytes <= budget_bytes and (best is None or r.cost < best[1].cost):
+                best = (seq, r, m)
+        return tried[key]
+
+    levels = [m for m in range(len(row)) if np.isfinite(row[m]) and (m == 0 or row[m] < row[m - 1])]
+    above = [m for m in levels if m > top][:4]
+    below = [m for m in reversed(levels) if m <= top]
+    if top < len(row) and np.isfinite(row[top]):
+        below = [top] + [m for m in below if m != top]
+    for m in above:
+        attempt(m)
+    for m in below[:64]:
+        if best is not None and row[m] >= best[1].cost - 1e-12:
+            break
+        ok, _ = attempt(m)
+        if ok:
+            break
+    if best is None:
+        raise NoScheduleFound(
+            f"chain_dp: no schedule of the chain family fits {budget_bytes} B"
+            + (f" (its smallest simulated peak is {best_peak} B)" if best_peak is not None else "")
+            + "; use a general method such as 'dtr' or 'milp'", best_peak=best_peak)
+    seq, r, m = best
+    return Schedule(sequence=seq, method="chain_dp",
+                    info={"order": "fixed", "plan": "chain_dp", "stages": len(stages),
+                          "model_cost": float(row[m]), "slots_used": int(m), "slot_bytes": unit,
+                          "candidates": len(tried)})

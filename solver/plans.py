@@ -1,0 +1,411 @@
+"""Shared pieces of checkpointing plans: the stage chain of a training graph, and the
+"checkpoint set -> sequence" builder.
+
+Two views of the same idea (Chen et al. 2016, "Training Deep Nets with Sublinear Memory
+Cost"):
+
+* :func:`forward_stages` cuts the forward pass at its *cut vertices* (articulation points
+  of the forward graph in the reference order: every edge that leaves the ops before
+  the vertex starts at the vertex itself) into a chain of stages, and gives each stage
+  the backward ops that work on it. Chain algorithms (every-k, Chen, revolve, the chain
+  dynamic program) see only this chain.
+* :func:`sequence_from_keep` turns a set of kept forward values into a sequence in the
+  style of ``torch.utils.checkpoint``: forward values that are not kept are recomputed,
+  with their missing forward ancestors, right before the first backward op that needs
+  them, and the recomputed copy then serves the following backward ops.
+
+Pure graph math; no torch.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Hashable, Iterable, Sequence
+
+from graphs import ComputeGraph
+from solver.errors import NoScheduleFound
+from solver.simulate import simulate
+
+__all__ = [
+    "Stage",
+    "forward_stages",
+    "forced_keep",
+    "has_backward",
+    "sequence_from_keep",
+    "stage_regions",
+    "cheapest_fitting",
+]
+
+_KEPT = -1  # region tag of a copy that serves every later consumer
+
+
+@dataclass
+class Stage:
+    """One link of the stage chain.
+
+    Attributes
+    ----------
+    index : int
+        Position in the chain (0 = first forward stage).
+    forward : list
+        The stage's forward ops, in the reference order.
+    backward : list
+        The backward ops that work on this stage, in the reference order.
+    boundary : hashable
+        The stage's last forward op, a cut vertex: the only value that later stages
+        read (its "checkpoint").
+    """
+
+    index: int
+    forward: list = field(default_factory=list)
+    backward: list = field(default_factory=list)
+
+    @property
+    def boundary(self) -> Hashable:
+        return self.forward[-1]
+
+
+def has_backward(graph: ComputeGraph) -> bool:
+    """True when the graph has at least one backward op.
+
+    Examples
+    --------
+    >>> from solver.synthetic import chain, training_chain
+    >>> has_backward(chain(3)), has_backward(training_chain(2))
+    (False, True)
+    """
+    return any(graph[v]["phase"] == "backward" for v in graph.ops)
+
+
+def forced_keep(graph: ComputeGraph) -> set:
+    """Forward values no plan may recompute: non-recomputable ops and step outputs.
+
+    Examples
+    --------
+    >>> from solver.synthetic import training_chain
+    >>> g = training_chain(2); g["f0"]["recomputable"] = False
+    >>> sorted(forced_keep(g))
+    ['f0']
+    """
+    return {
+        v
+        for v in graph.ops
+        if graph[v]["phase"] == "forward"
+        and (not graph[v].get("recomputable", True) or graph[v].get("output", False))
+    }
+
+
+def forward_stages(graph: ComputeGraph, *, order: Sequence[Hashable] | None = None) -> list[Stage]:
+    """Cut the forward pass into a chain of stages at its cut vertices.
+
+    A forward op ``v`` closes a stage when every edge from an earlier forward op (in the
+    reference order) to a later one starts at ``v`` itself, so ``v`` is the only value
+    that crosses the cut. Each backward op is then given to the stage whose values it
+    reads: the backward of stage ``i`` may read stage ``i``'s values and the boundary
+    of stage ``i - 1`` (its input). Stages are merged until every backward op has such a
+    stage and the stages of the backward ops do not increase along the reference order,
+    so running the stages' backward from the last stage to the first keeps the
+    reference order of the backward ops. Backward ops that read no forward value go
+    with the stage of the next backward op (the first stage when none follows).
+
+    Parameters
+    ----------
+    graph : ComputeGraph
+    order : sequence of node ids, optional
+        The reference order (default ``graph.order``).
+
+    Returns
+    -------
+    list of Stage
+
+    Raises
+    ------
+    NoScheduleFound
+        A forward op reads a backward value (forward and backward are interleaved), so
+        the graph has no stage chain.
+
+    Notes
+    -----
+    O((V + E) x number of merges); the merges are few on real training graphs.
+
+    Examples
+    --------
+    >>> from solver.synthetic import training_chain
+    >>> [(s.forward, s.backward) for s in forward_stages(training_chain(3))]
+    [(['f0'], ['b0']), (['f1'], ['b1']), (['f2', 'loss'], ['b2'])]
+    """
+    order = list(graph.order if order is None else order)
+    fwd = [v for v in order if graph[v]["phase"] == "forward" and graph.is_op(v)]
+    bwd = [v for v in order if graph[v]["phase"] == "backward" and graph.is_op(v)]
+    if not fwd:
+        return []
+    fset = set(fwd)
+    for v in fwd:
+        for u in graph.op_preds(v):
+            if u not in fset:
+                raise NoScheduleFound(
+                    f"forward op {v!r} reads the backward value {u!r}: the graph has no stage "
+                    "chain; use a general method (e.g. 'dtr' or 'milp')"
+                )
+    pos = {v: i for i, v in enumerate(fwd)}
+    # cut vertices of the forward order
+    cuts = []
+    reach = -1
+    for i, v in enumerate(fwd):
+        if reach <= i:
+            cuts.append(i)
+        last = max((pos[w] for w in graph.op_succs(v) if w in fset), default=i)
+        reach = max(reach, last)
+    # ends[k] = position of the last op of stage k
+    ends = sorted(set(cuts))
+    if ends[-1] != len(fwd) - 1:
+        ends.append(len(fwd) - 1)
+
+    while True:
+        stage_of, boundary = _label(fwd, ends)
+        merge = _attribute(graph, bwd, fset, stage_of, boundary)
+        if merge is None:
+            break
+        lo, hi = merge
+        # merging stages lo..hi removes the ends of stages lo..hi-1
+        ends = ends[:lo] + ends[hi:]
+    stages = [Stage(index=k) for k in range(len(ends))]
+    for v in fwd:
+        stages[stage_of[v]].forward.append(v)
+    for b, k in _assignment(graph, bwd, fset, stage_of, boundary):
+        stages[k].backward.append(b)
+    return stages
+
+
+def _label(fwd: list, ends: list[int]) -> tuple[dict, set]:
+    stage_of = {}
+    k = 0
+    for i, v in enumerate(fwd):
+        while ends[k] < i:
+            k += 1
+        stage_of[v] = k
+    boundary = {fwd[e] for e in ends}
+    return stage_of, boundary
+
+
+def _intervals(graph, bwd, fset, stage_of, boundary):
+    for b in bwd:
+        lo, hi = -1, 10**9
+        for u in graph.op_preds(b):
+            if u in fset:
+                s = stage_of[u]
+                lo = max(lo, s)
+                hi = min(hi, s + 1 if u in boundary else s)
+        yield b, lo, hi
+
+
+def _attribute(graph, bwd, fset, stage_of, boundary) -> tuple[int, int] | None:
+    """The first pair of stages (lo, hi) to merge, or None when the chain is consistent."""
+    running = -1
+    for b, lo, hi in reversed(list(_intervals(graph, bwd, fset, stage_of, boundary))):
+        if lo > hi:
+            return hi, lo
+        k = max(lo, running)
+        if k > hi:
+            return hi, k
+        running = k
+    return None
+
+
+def _assignment(graph, bwd, fset, stage_of, boundary):
+    running = -1
+    out = []
+    for b, lo, hi in reversed(list(_intervals(graph, bwd, fset, stage_of, boundary))):
+        running = max(lo, running)
+        out.append((b, max(running, 0)))
+    out.reverse()
+    return out
+
+
+def stage_regions(graph: ComputeGraph, stages: Sequence[Stage]) -> dict[Hashable, int]:
+    """Regions for :func:`sequence_from_keep` that expire recomputed copies per stage.
+
+    Forward ops are region 0; the backward ops of stage ``i`` (run from the last stage
+    to the first) share one region, so a value recomputed for one stage's backward is
+    recomputed again for the next stage.
+
+    Examples
+    --------
+    >>> from solver.synthetic import training_chain
+    >>> g = training_chain(2)
+    >>> stage_regions(g, forward_stages(g))["b0"]
+    2
+    """
+    regions: dict[Hashable, int] = {}
+    n = len(stages)
+    for st in stages:
+        for v in st.forward:
+            regions[v] = 0
+        for v in st.backward:
+            regions[v] = n - st.index
+    return regions
+
+
+def sequence_from_keep(
+    graph: ComputeGraph,
+    keep: Iterable[Hashable],
+    *,
+    order: Sequence[Hashable] | None = None,
+    regions: dict[Hashable, int] | None = None,
+) -> list:
+    """Build a sequence that keeps ``keep`` and recomputes the other forward values.
+
+    Runs the reference order. A forward value in ``keep`` (or forced: not recomputable,
+    or a step output) has one copy that serves every consumer. Any other forward value
+    serves only the consumers of its own *region*; before the first op of a later region
+    that reads it, it is recomputed (with its missing forward ancestors, from the nearest
+    kept values), and that copy serves the rest of that region. By default the forward
+    ops form one region and all backward ops another (``torch.utils.checkpoint`` style:
+    a segment is recomputed once and then serves the following backward ops), so the
+    forward copy of a value that is not kept dies after its last forward consumer.
+    Backward values are never recomputed.
+
+    Parameters
+    ----------
+    graph : ComputeGraph
+    keep : iterable of node ids
+        Forward values to keep from their first computation to their last use.
+    order : sequence of node ids, optional
+        The op order to follow (default ``graph.order``).
+    regions : dict, optional
+        Node -> non-decreasing region number along ``order`` (default: 0 before the
+        first backward op, 1 from it on). See :func:`stage_regions`.
+
+    Returns
+    -------
+    list
+        Node ids, recomputations repeated. Liveness is the simulator's business.
+
+    Notes
+    -----
+    O(len(result) x mean in-degree).
+
+    Examples
+    --------
+    >>> from solver.synthetic import training_chain
+    >>> g = training_chain(3)
+    >>> sequence_from_keep(g, {"f0"})
+    ['f0', 'f1', 'f2', 'loss', 'f1', 'f2', 'loss', 'b2', 'b1', 'b0']
+    """
+    order = list(graph.order if order is None else order)
+    kept = set(keep) | forced_keep(graph)
+    if regions is None:
+        regions = {}
+        r = 0
+        for v in order:
+            if graph[v]["phase"] == "backward":
+                r = 1
+            regions[v] = r
+    nodes = graph.nx.nodes
+    avail: dict[Hashable, int] = {}
+    seq: list = []
+
+    def tag(v: Hashable, r: int) -> int:
+        if v in kept or nodes[v]["phase"] != "forward":
+            return _KEPT
+        return r
+
+    for v in order:
+        r = regions[v]
+        missing = [u for u in graph.op_preds(v) if avail.get(u) not in (_KEPT, r)]
+        if missing:
+            _recompute(graph, missing, r, avail, seq)
+        seq.append(v)
+        avail[v] = tag(v, r)
+    return seq
+
+
+def _recompute(graph: ComputeGraph, targets: list, r: int, avail: dict, seq: list) -> None:
+    """Append recomputations of ``targets`` (and missing ancestors) in a topological order."""
+    # iterative post-order DFS: preds before the node
+    done: set = set()
+    for t in targets:
+        if t in done or avail.get(t) in (_KEPT, r):
+            continue
+        stack = [(t, False)]
+        while stack:
+            v, expanded = stack.pop()
+            if v in done:
+                continue
+            if expanded:
+                done.add(v)
+                seq.append(v)
+                avail[v] = r
+                continue
+            if graph[v]["phase"] != "forward":
+                raise NoScheduleFound(f"backward value {v!r} is needed but no longer resident")
+            stack.append((v, True))
+            for u in graph.op_preds(v):
+                if u not in done and avail.get(u) not in (_KEPT, r):
+                    stack.append((u, False))
+
+
+def cheapest_fitting(
+    graph: ComputeGraph,
+    candidates: Iterable[tuple[list, dict]],
+    budget_bytes: int,
+    *,
+    method: str,
+) -> tuple[list, dict]:
+    """The cheapest candidate sequence whose simulated peak fits the budget.
+
+    Every candidate is graded by :func:`solver.simulate`; ties go to the lower peak.
+
+    Parameters
+    ----------
+    graph : ComputeGraph
+    candidates : iterable of (sequence, info)
+        ``info`` describes the setting that produced the sequence (kept in the schedule).
+    budget_bytes : int
+    method : str
+        Named in the error message.
+
+    Returns
+    -------
+    (sequence, info)
+        ``info`` gains ``"candidates"``, the number of settings tried.
+
+    Raises
+    ------
+    NoScheduleFound
+        No candidate is valid and within the budget; ``best_peak`` is the smallest
+        valid peak seen.
+
+    Examples
+    --------
+    >>> from solver.synthetic import training_chain
+    >>> g = training_chain(3)
+    >>> seq, info = cheapest_fitting(g, [(list(g.order), {"k": 0})], 100, method="demo")
+    >>> info["k"], info["candidates"]
+    (0, 1)
+    """
+    best = None
+    best_peak = None
+    tried = 0
+    for seq, info in candidates:
+        tried += 1
+        r = simulate(graph, seq)
+        if not r.valid:
+            continue
+        if best_peak is None or r.peak_bytes < best_peak:
+            best_peak = r.peak_bytes
+        if r.peak_bytes <= budget_bytes:
+            key = (r.cost, r.peak_bytes)
+            if best is None or key < best[0]:
+                best = (key, seq, info)
+    if best is None:
+        raise NoScheduleFound(
+            f"{method}: none of its {tried} settings fits {budget_bytes} B"
+            + (f" (its smallest peak is {best_peak} B)" if best_peak is not None else "")
+            + "; raise the budget or use a general method such as 'dtr' or 'milp'",
+            best_peak=best_peak,
+        )
+    _, seq, info = best
+    info = dict(info)
+    info["candidates"] = tried
+    return seq, info

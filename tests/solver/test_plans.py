@@ -1,0 +1,104 @@
+"""Stage chains and the checkpoint-set -> sequence builder."""
+
+from __future__ import annotations
+
+import glob
+
+import pytest
+from hypothesis import given, settings, strategies as st
+
+from graphs import ComputeGraph
+from solver import simulate
+from solver.plans import forced_keep, forward_stages, sequence_from_keep, stage_regions
+from solver.synthetic import random_training_graph, training_chain
+
+
+def test_training_chain_stages():
+    stages = forward_stages(training_chain(4))
+    assert [s.forward for s in stages] == [["f0"], ["f1"], ["f2"], ["f3", "loss"]]
+    assert [s.backward for s in stages] == [["b0"], ["b1"], ["b2"], ["b3"]]
+
+
+def test_store_everything_is_the_reference_order():
+    g = training_chain(5)
+    assert sequence_from_keep(g, set(g.forward_nodes())) == list(g.order)
+
+
+def test_unkept_values_are_recomputed_once_and_forward_copy_dies():
+    g = training_chain(6)
+    seq = sequence_from_keep(g, {"f2"})
+    r = simulate(g, seq)
+    assert r.valid
+    assert seq.count("f2") == 1 and seq.count("f0") == 2 and seq.count("f4") == 2
+    assert r.peak_bytes < simulate(g, g.order).peak_bytes
+    # no backward op reads a first-pass copy of a recomputed value
+    first_b = seq.index("b5")
+    for v in ("f3", "f4"):
+        assert v in seq[len(g.forward_nodes()):first_b]
+
+
+def test_forced_values_are_never_recomputed():
+    g = training_chain(5)
+    g["f1"]["recomputable"] = False
+    assert forced_keep(g) == {"f1"}
+    seq = sequence_from_keep(g, set())
+    assert seq.count("f1") == 1
+    assert simulate(g, seq).valid
+
+
+def test_stage_regions_recompute_per_stage():
+    g = training_chain(4)
+    seq = sequence_from_keep(g, set(), regions=stage_regions(g, forward_stages(g)))
+    assert simulate(g, seq).valid
+    # first pass + once for the backward of each of the four stages (all descend from f0)
+    assert seq.count("f0") == 5
+
+
+@settings(max_examples=60, deadline=None)
+@given(n=st.integers(1, 9), seed=st.integers(0, 10_000), data=st.data())
+def test_any_keep_set_gives_a_valid_sequence(n, seed, data):
+    g = random_training_graph(n, seed=seed)
+    fwd = g.forward_nodes()
+    keep = data.draw(st.sets(st.sampled_from(fwd))) if fwd else set()
+    seq = sequence_from_keep(g, keep)
+    r = simulate(g, seq)
+    assert r.valid, r.error
+    # kept values run once
+    for v in keep:
+        assert seq.count(v) == 1
+    # every backward op in the reference order
+    assert [v for v in seq if g[v]["phase"] == "backward"] == g.backward_nodes()
+
+
+@settings(max_examples=60, deadline=None)
+@given(n=st.integers(1, 9), seed=st.integers(0, 10_000))
+def test_stages_are_consistent(n, seed):
+    g = random_training_graph(n, seed=seed)
+    stages = forward_stages(g)
+    fwd_in_stages = [v for s in stages for v in s.forward]
+    assert fwd_in_stages == g.forward_nodes()
+    assert sorted(v for s in stages for v in s.backward) == sorted(g.backward_nodes())
+    stage_of = {v: s.index for s in stages for v in s.forward}
+    boundaries = {s.boundary for s in stages}
+    for s in stages:
+        # only a boundary is read across stages in forward
+        for v in s.forward:
+            for w in g.op_succs(v):
+                if w in stage_of and stage_of[w] != s.index:
+                    assert v in boundaries and stage_of[w] > s.index
+        # a stage's backward reads its own values and the previous boundary only
+        for b in s.backward:
+            for u in g.op_preds(b):
+                if u in stage_of:
+                    assert stage_of[u] == s.index or (u in boundaries and stage_of[u] == s.index - 1)
+
+
+def test_benchmark_graphs_have_stage_chains():
+    paths = sorted(glob.glob("/work/shared/benchmarks/graphs/*_train.json"))
+    assert paths, "the public benchmark graphs are missing from /work/shared/benchmarks/graphs"
+    for p in paths:
+        g = ComputeGraph.load(p)
+        stages = forward_stages(g)
+        assert len(stages) > 5
+        seq = sequence_from_keep(g, {s.boundary for s in stages})
+        assert simulate(g, seq).valid
