@@ -1,0 +1,130 @@
+"""Per-layer policies: fit, monotonicity, infeasibility, optimality and 1F1B stage accounting."""
+
+import itertools
+
+import pytest
+
+from solver.analytic import (TransformerConfig, backward_workspace_bytes, embedding_activation_bytes,
+                             embedding_parameters, layer_activation_bytes, layer_parameters,
+                             loss_workspace_bytes, output_activation_bytes, output_parameters)
+from solver.errors import InfeasibleBudget, SolverError
+from solver.policy import LayerAction, build_planner, policy
+
+CFG = TransformerConfig(num_layers=8, hidden_size=1024, num_heads=16, vocab_size=32000, seq_len=2048,
+                        micro_batch=2)
+GiB = 1024**3
+
+
+def test_fits_and_monotone():
+    pl = build_planner(CFG)
+    lo = pl.min_peak() / GiB
+    hi = pl.policy_of([LayerAction.NONE] * 8, 0).peak_bytes / GiB
+    prev = None
+    for k in range(21):
+        gb = lo + (hi - lo) * k / 20 + 1e-6
+        p = policy(CFG, gb)
+        assert p.peak_bytes <= gb * GiB
+        assert len(p.actions) == 8
+        if prev is not None:
+            assert p.extra_flops <= prev + 1e-6
+        prev = p.extra_flops
+    assert prev == 0  # at store-all memory nothing is recomputed
+    assert "LayerPolicy" in str(p)
+
+
+def test_infeasible_names_smallest_budget():
+    pl = build_planner(CFG)
+    with pytest.raises(InfeasibleBudget) as e:
+        policy(CFG, 0.5)
+    assert e.value.smallest_feasible_bytes == pl.min_peak()
+    p = policy(CFG, pl.min_peak() / GiB + 1e-9)  # the named budget is enough
+    assert p.peak_bytes <= pl.min_peak()
+
+
+def test_exact_against_brute_force():
+    cfg = CFG.replace(num_layers=4)
+    pl = build_planner(cfg, hardware="pcie4")
+    acts = list(LayerAction)
+    for frac in (0.3, 0.5, 0.7, 0.9):
+        budget = int(pl.min_peak() + frac * (pl.policy_of([LayerAction.NONE] * 4, 0).peak_bytes - pl.min_peak()))
+        best = min((pl.policy_of(list(c), budget) for c in itertools.product(acts, repeat=4)),
+                   key=lambda p: (not p.fits, p.extra_flops))
+        got = pl.solve(budget)
+        assert got.fits and got.extra_flops == pytest.approx(best.extra_flops)
+
+
+def test_offload_only_with_hardware_and_cost_follows_bandwidth():
+    assert LayerAction.OFFLOAD not in {o.action for o in build_planner(CFG).options}
+    from graphs.hardware import get_hardware
+    hw = get_hardware("h100-pcie5")
+    off = lambda bw: {o.action: o for o in build_planner(CFG, hardware=hw.with_(host_bandwidth=bw)).options}[
+        LayerAction.OFFLOAD]
+    slow, fast, huge = off(1e9), off(50e9), off(1e15)
+    assert slow.stored_bytes == 0
+    assert huge.extra_flops == 0 < fast.extra_flops < slow.extra_flops
+
+
+def test_1f1b_hand_count_p4():
+    P, L = 4, 8
+    cfg = CFG.replace(num_layers=L)
+    acts = [LayerAction.NONE, LayerAction.SELECTIVE, LayerAction.FULL, LayerAction.NONE,
+            LayerAction.FULL, LayerAction.FULL, LayerAction.SELECTIVE, LayerAction.NONE]
+    p = build_planner(cfg, pipeline_parallel=P).policy_of(acts, 10**12)
+    kept = {a: layer_activation_bytes(cfg, recompute=a.value) for a in LayerAction}
+    none = kept[LayerAction.NONE]
+    per_param = 2 + 2 + 12
+    for i, stage in enumerate(p.stages):
+        mine = acts[2 * i: 2 * i + 2]
+        assert list(stage.layers) == [2 * i, 2 * i + 1]
+        assert stage.in_flight == P - i
+        act = sum(kept[a] for a in mine)
+        params = 2 * layer_parameters(cfg)
+        if i == 0:
+            act += embedding_activation_bytes(cfg)
+            params += embedding_parameters(cfg)
+        if i == P - 1:
+            act += output_activation_bytes(cfg)
+            params += output_parameters(cfg, separate_stage=True)
+        transient = max(none - kept[a] for a in mine)
+        loss = loss_workspace_bytes(cfg) if i == P - 1 else 0
+        expect = params * per_param + (P - i) * act + backward_workspace_bytes(cfg) + max(transient, loss)
+        assert stage.peak_bytes == pytest.approx(expect, rel=1e-9)
+    assert p.peak_bytes == max(s.peak_bytes for s in p.stages)
+
+
+def test_pipeline_stages_may_differ():
+    cfg = TransformerConfig(num_layers=16, hidden_size=2048, num_heads=16, vocab_size=32000, seq_len=4096,
+                            micro_batch=1)
+    pl = build_planner(cfg, pipeline_parallel=4)
+    budget = (pl.min_peak() + pl.policy_of([LayerAction.NONE] * 16, 0).peak_bytes) / 2 / GiB
+    p = policy(cfg, budget, pipeline_parallel=4)
+    assert p.fits
+    first, last = p.stages[0], p.stages[-1]
+    recomputed = lambda s: sum(p.actions[i] != LayerAction.NONE for i in s.layers)
+    assert recomputed(first) >= recomputed(last)  # stage 0 holds 4 micro-batches, the last only 1
+    assert first.in_flight == 4 and last.in_flight == 1
+
+
+def test_hf_model_and_bad_options():
+    transformers = pytest.importorskip("transformers")
+    conf = transformers.LlamaConfig(num_hidden_layers=4, hidden_size=256, num_attention_heads=4,
+                                    intermediate_size=512, vocab_size=1000)
+    assert len(policy(conf, 80, seq_len=256).actions) == 4
+
+    class Wrapped:
+        config = conf
+    assert policy(Wrapped(), 80, seq_len=256).actions == policy(conf, 80, seq_len=256).actions
+    with pytest.raises(SolverError):
+        policy(object(), 80)
+    with pytest.raises(SolverError):
+        policy(CFG, 80, schedule="zero-bubble")
+    with pytest.raises(SolverError):
+        policy(CFG, 80, optimizer="lion")
+
+
+def test_70b_shape_plans():
+    cfg = TransformerConfig(num_layers=80, hidden_size=8192, num_heads=64, num_kv_heads=8, ffn_size=28672,
+                            vocab_size=128256, seq_len=8192, gated_ffn=True, dropout=False, bias=False,
+                            tied_embeddings=False, tensor_parallel=8, sequence_parallel=True)
+    p = policy(cfg, 80, pipeline_parallel=4, hardware="h100-pcie5")
+    assert p.fits and len(p.actions) == 80
