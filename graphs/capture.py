@@ -32,7 +32,7 @@ import contextlib
 import logging
 import operator
 import traceback
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any, Callable
 
 import torch
@@ -137,11 +137,13 @@ class _LossStep(torch.nn.Module):
         self._loss_fn = loss_fn
         self._replace = dict(replace or {})
 
-    def forward(self, *flat_inputs: Any) -> torch.Tensor:
+    def forward(self, *flat_inputs: Any) -> Any:
         with _python_kernels(self._replace):
             flat_out = _Replay(self.gm, self._replace).run(*flat_inputs, enable_io_processing=False)
         if not isinstance(flat_out, (list, tuple)):
             flat_out = [flat_out]
+        if self._loss_fn is None:  # backward from the outputs
+            return tuple(flat_out)
         out = pytree.tree_unflatten(list(flat_out), self._out_spec)
         loss = self._loss_fn(out)
         if not (isinstance(loss, torch.Tensor) and loss.dim() == 0):
@@ -166,6 +168,13 @@ class CaptureInfo:
         The export that produced :attr:`ComputeGraph.fx`.
     real : bool
         The inputs and parameters were real tensors.
+    input_indices : list of int
+        Which leaves of the flattened ``(args, kwargs)`` the step takes.
+    in_spec, out_spec : pytree specs
+        Of the model's ``(args, kwargs)`` and of its output.
+    backward : str
+        ``"loss"`` (the step ends with the loss) or ``"outputs"`` (it returns the
+        model's flat outputs; backward starts from their gradients).
     """
 
     step: torch.nn.Module
@@ -173,6 +182,10 @@ class CaptureInfo:
     fake_mode: Any
     joint: Any
     real: bool
+    input_indices: list = field(default_factory=list)
+    in_spec: Any = None
+    out_spec: Any = None
+    backward: str = "loss"
 
     def export_joint(self, stack: contextlib.ExitStack) -> Any:
         """Export the joint graph again (same node names) inside ``stack``.
@@ -317,6 +330,7 @@ def capture(
     example_inputs: tuple | dict,
     *,
     loss_fn: Callable[[Any], torch.Tensor] | None = None,
+    backward: str = "loss",
     hardware: str | Hardware | None = None,
     measure_time: bool | None = None,
     repeats: int = 5,
@@ -333,6 +347,11 @@ def capture(
         Positional arguments, or keyword arguments, of ``model``.
     loss_fn : callable, optional
         Maps the model's output to a scalar loss; default :func:`default_loss`.
+    backward : {"loss", "outputs"}
+        ``"loss"``: the step ends with the loss and backward starts from it.
+        ``"outputs"``: the step returns the model's outputs and backward starts from
+        their gradients (tangent inputs), as when the loss is computed outside the
+        model; this is the graph that :mod:`graphs.graph_mode` runs.
     hardware : str or Hardware, optional
         Spec for roofline times when inputs are fake/meta (default ``"cpu"`` for CPU
         tensors, ``"h100-pcie5"`` otherwise).
@@ -406,12 +425,16 @@ def capture(
         raise _capture_error(exc, "tracing the forward (torch.export, non-strict)") from exc
     fwd = ep.module()
     _mark_inplace(fwd)
-    user_flat = [t for t in flat_in]
+    input_indices = list(range(len(flat_in)))
     fwd_inputs = [n for n in fwd.graph.nodes if n.op == "placeholder"]
-    if len(fwd_inputs) != len(user_flat):  # non-tensor leaves that export folded away
-        user_flat = [t for t in user_flat if isinstance(t, (torch.Tensor, int, float, bool))][: len(fwd_inputs)]
+    if len(fwd_inputs) != len(input_indices):  # non-tensor leaves that export folded away
+        input_indices = [i for i, t in enumerate(flat_in)
+                         if isinstance(t, (torch.Tensor, int, float, bool))][: len(fwd_inputs)]
+    user_flat = [flat_in[i] for i in input_indices]
     out_spec = ep.call_spec.out_spec
-    step = _LossStep(fwd, out_spec, loss_fn, replace=_eager_semantics(
+    if backward not in ("loss", "outputs"):
+        raise ValueError(f"backward must be 'loss' or 'outputs', got {backward!r}")
+    step = _LossStep(fwd, out_spec, loss_fn if backward == "loss" else None, replace=_eager_semantics(
         [t for t in flat_in if isinstance(t, torch.Tensor)] + list(work_model.parameters())))
 
     # 2. the joint forward+backward graph
@@ -447,7 +470,9 @@ def capture(
         "torch": torch.__version__,
     })
     cg.fx = gm
-    cg.capture_info = CaptureInfo(step=step, flat_inputs=user_flat, fake_mode=fake_mode, joint=joint, real=real)
+    cg.capture_info = CaptureInfo(step=step, flat_inputs=user_flat, fake_mode=fake_mode, joint=joint, real=real,
+                                  input_indices=input_indices, in_spec=in_spec, out_spec=out_spec,
+                                  backward=backward)
     return cg
 
 
@@ -530,12 +555,21 @@ def _shared_sources(placeholders: list, step: torch.nn.Module) -> dict[str, str]
 def _build(gm: torch.fx.GraphModule, storage: dict, *, name: str, shared: dict[str, str]) -> ComputeGraph:
     cg = ComputeGraph(name=name)
     base_of = {n.name: rec.base for n, rec in storage.items()}
-    order = []
+    order: list[str] = []
+    tangents: list[str] = []
     for node in gm.graph.nodes:
         if node.op == "output":
             continue
         rec = storage[node]
         phase = "backward" if node.meta.get("partitioner_tag") == "is_backward" else "forward"
+        if node.op == "placeholder" and phase == "backward":
+            # a tangent arrives when the forward is done: an op that reads the forward
+            # outputs, computed once, live from then on
+            cg.add_node(node.name, kind="op", phase="backward", op="tangent", bytes=rec.bytes,
+                        recomputable=False, name=f"gradient of the output ({node.name})")
+            tangents.append(node.name)
+            order.append(node.name)
+            continue
         if node.op == "placeholder":
             desc = node.meta.get("desc")
             cg.add_node(node.name, kind=_source_kind(node), phase=phase, op=_source_kind(node),
@@ -567,6 +601,14 @@ def _build(gm: torch.fx.GraphModule, storage: dict, *, name: str, shared: dict[s
             for n in {v.name, base_of.get(v.name, v.name)}:
                 if cg[n]["kind"] == "op":
                     cg[n]["output"] = True
+    forward_outputs = [n for n in order if cg[n]["output"] and cg[n]["phase"] == "forward"]
+    for t in tangents:
+        for n in forward_outputs:
+            cg.add_edge(n, t)
+    # in the reference order the tangents come right after the last forward output
+    rest = [n for n in order if n not in set(tangents)]
+    cut = max((i + 1 for i, n in enumerate(rest) if n in set(forward_outputs)), default=0)
+    order[:] = rest[:cut] + tangents + rest[cut:]
     _fold_multi_output_ops(cg, gm)
     cg.order = [n for n in order if n in cg.nx]
     return cg

@@ -114,12 +114,14 @@ def partition_by_schedule(
     for p in primals:
         fenv[p.name] = _copy_placeholder(fg, p)
     def resolve_forward(u: fx.Node) -> fx.Node:
-        if u.op == "call_function" and u.name not in scheduled:
+        if u.op == "call_function" and (u.name not in scheduled or _is_view(u)):
             return _emit(fg, u, fenv, scheduled, resolve_forward)
         raise RewriteError(f"forward reads {u.name!r} before the schedule computes it")
 
     run_of = _runs(seq, nodes, scheduled)
     for i, s in enumerate(fwd_steps):
+        if nodes[s].op == "placeholder":
+            raise RewriteError(f"the schedule runs {s!r} (an input of backward) before the forward outputs")
         _start_run(nodes[s], fenv, run_of[i], scheduled)
         _emit(fg, nodes[s], fenv, scheduled, resolve_forward)
     for o in fwd_outs:
@@ -149,11 +151,15 @@ def partition_by_schedule(
         if u.op == "call_function" and u.name not in scheduled:
             if _is_multi_output(u) or all(w.name in benv for w in u.all_input_nodes) or u.name not in fenv:
                 return _emit(bg, u, benv, scheduled, resolve_backward)
+        if _is_view(u) and _derivable(u, benv):
+            return _emit(bg, u, benv, scheduled, resolve_backward)
         if u.name in fenv:
             return from_forward(u)
         raise RewriteError(f"backward reads {u.name!r} before the schedule computes it")
 
     for i, s in enumerate(bwd_steps, start=len(fwd_steps)):
+        if nodes[s].op == "placeholder":  # a tangent: an input of the backward graph
+            continue
         _start_run(nodes[s], benv, run_of[i], scheduled)
         _emit(bg, nodes[s], benv, scheduled, resolve_backward)
     grad_out = []
@@ -164,7 +170,17 @@ def partition_by_schedule(
             grad_out.append(g)
     bg.output(tuple(grad_out))
 
-    fg.output(tuple([fenv[o.name] if isinstance(o, fx.Node) else o for o in fwd_outs] + [fenv[s] for s in saved]))
+    # A buffer that the step mutates (BatchNorm running statistics) is written back
+    # after the forward, which would invalidate a saved reference: save a copy of
+    # buffers instead (they are small).
+    saved_out = []
+    for name in saved:
+        value = fenv[name]
+        if nodes[name].op == "placeholder" and type(nodes[name].meta.get("desc")).__name__ == "BufferAOTInput":
+            value = fg.call_function(torch.ops.aten.clone.default, (value,))
+            value.meta = dict(nodes[name].meta)
+        saved_out.append(value)
+    fg.output(tuple([fenv[o.name] if isinstance(o, fx.Node) else o for o in fwd_outs] + saved_out))
     fw = fx.GraphModule(joint, fg)
     bw = fx.GraphModule(joint, bg)
     fw.graph.eliminate_dead_code()
@@ -236,8 +252,29 @@ def _emit(g: fx.Graph, node: fx.Node, env: dict[str, fx.Node], scheduled: set[st
             resolve(u)
     new = g.node_copy(node, lambda n: env[n.name])
     env[node.name] = new
-    # unscheduled projections of a recomputed multi-output op must read the new copy
-    for user in node.users:
-        if _is_projection(user) and user.name not in scheduled:
-            env.pop(user.name, None)
+    # unscheduled projections of a recomputed multi-output op must read the new copy,
+    # and so must views: a view of an older copy would keep that copy's storage alive
+    stack = list(node.users)
+    while stack:
+        user = stack.pop()
+        if (_is_projection(user) and user.name not in scheduled) or _is_view(user):
+            if env.pop(user.name, None) is not None and _is_view(user):
+                stack.extend(user.users)
     return new
+
+
+def _derivable(node: fx.Node, env: dict[str, fx.Node]) -> bool:
+    """Can a view be re-derived here from values this graph already has (through a chain
+    of views)? Then it should be, rather than pinning an older copy of its base."""
+    return all(w.name in env or (_is_view(w) and _derivable(w, env)) for w in node.all_input_nodes)
+
+
+def _is_view(node: fx.Node) -> bool:
+    """An op whose output aliases an input (a view, ``detach``...): free to run again."""
+    target = node.target
+    if node.op != "call_function" or not isinstance(target, torch._ops.OpOverload):
+        return False
+    returns = target._schema.returns
+    return bool(returns) and all(
+        r.alias_info is not None and not r.alias_info.is_write for r in returns
+    )
