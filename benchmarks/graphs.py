@@ -1,0 +1,155 @@
+"""Every registered method on every public benchmark graph at 0.9x and 0.8x the topo peak.
+
+For each graph, budget and method: extra compute over store-all, peak / budget, solve
+time, lower bound and gap (on the extra compute), whether the method keeps the reference
+order (fixed) or may reorder (free), and the Moccasin reference figure from the
+benchmarks README. Every schedule is graded by ``solver.simulate`` inside ``solver.solve``.
+
+Run: ``python benchmarks/graphs.py [--graphs DIR] [--time-limit S] [--methods a,b]
+[--only SUBSTR]``; writes ``benchmarks/results/graphs.json`` and ``graphs.md``.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import logging
+import pathlib
+import sys
+import time
+
+# run as a script, this file's folder comes first on sys.path and its name would shadow
+# the ``graphs`` package: put the repository root first instead
+_HERE = pathlib.Path(__file__).resolve().parent
+sys.path[:] = [p for p in sys.path if pathlib.Path(p or ".").resolve() != _HERE]
+sys.path.insert(0, str(_HERE.parent))
+
+import solver  # noqa: E402
+from graphs import ComputeGraph  # noqa: E402
+from solver import InfeasibleBudget, NoScheduleFound, simulate, solve
+
+ROOT = pathlib.Path(__file__).resolve().parent
+DEFAULT_GRAPHS = ROOT.parent.parent / "shared" / "benchmarks" / "graphs"
+FRACTIONS = (0.9, 0.8)
+
+# Moccasin's figures from the benchmarks README (extra compute; None: no answer)
+MOCCASIN = {
+    ("VGG16", 0.9): "+1.97 % (4.6 s)",
+    ("VGG16", 0.8): "infeasible (≈0.83x)",
+    ("fcn_8", 0.9): "+0.03 % (79 s)",
+    ("fcn_8", 0.8): "+0.14 % (69 s)",
+    ("ResNet50", 0.9): "none in 600 s",
+    ("ResNet50", 0.8): "none in 600 s",
+    ("MobileNet", 0.9): "+0.16 % (279 s)",
+    ("MobileNet", 0.8): "none in 700 s",
+    ("vgg_unet", 0.9): "+1.13 % (54 s)",
+    ("vgg_unet", 0.8): "+1.98 % (68 s)",
+    ("random_layered_n100_", 0.9): "+0.79 % (148 s)",
+    ("random_layered_n100_", 0.8): "+2.30 % (142 s)",
+    ("random_layered_n250_", 0.9): "none in 700 s",
+    ("random_layered_n250_", 0.8): "none in 700 s",
+}
+
+
+def _reference(name: str, frac: float) -> str:
+    for (key, f), text in MOCCASIN.items():
+        if name.startswith(key) and f == frac:
+            return text
+    return "—"
+
+
+def _limit_for(n_ops: int, base: float) -> float:
+    return base if n_ops <= 300 else max(base, 60.0)
+
+
+def run(graphs_dir: pathlib.Path, *, time_limit: float, only: str | None, method_names: list[str] | None) -> list[dict]:
+    log = logging.getLogger("benchmarks.graphs")
+    registry = solver.methods()
+    names = method_names or list(registry)
+    rows: list[dict] = []
+    for path in sorted(graphs_dir.glob("*.json")):
+        if only and only not in path.name:
+            continue
+        g = ComputeGraph.load(path)
+        topo = simulate(g, g.order).peak_bytes
+        for frac in FRACTIONS:
+            budget = int(frac * topo)
+            for name in names + ["auto"]:
+                order = registry[name].order if name in registry else "free"
+                limit = _limit_for(len(g.ops), time_limit)
+                row = {"graph": g.name, "ops": len(g.ops), "fraction": frac, "budget": budget,
+                       "method": name, "order": order, "moccasin": _reference(g.name, frac)}
+                t0 = time.perf_counter()
+                try:
+                    s = solve(g, budget, method=name, time_limit=limit)
+                    row.update(status="ok", extra_pct=100 * s.overhead, peak_over_budget=s.peak_bytes / budget,
+                               lower_bound=s.lower_bound, gap=s.gap, picked=s.method)
+                except InfeasibleBudget as exc:
+                    row.update(status="infeasible", smallest_feasible=exc.smallest_feasible_bytes / topo,
+                               message=str(exc)[:300])
+                except NoScheduleFound as exc:
+                    row.update(status="no schedule", message=str(exc)[:300])
+                except Exception as exc:  # a method still being written must not stop the table
+                    row.update(status="error", message=f"{type(exc).__name__}: {exc}"[:300])
+                row["seconds"] = time.perf_counter() - t0
+                rows.append(row)
+                print(_line(row), flush=True)
+    return rows
+
+
+def _line(r: dict) -> str:
+    if r["status"] == "ok":
+        gap = "—" if r.get("gap") is None else f"{100 * r['gap']:.1f} %"
+        what = f"+{r['extra_pct']:.3f} %  peak/budget {r['peak_over_budget']:.3f}  gap {gap}"
+    elif r["status"] == "infeasible":
+        what = f"infeasible (smallest {r['smallest_feasible']:.3f}x topo)"
+    else:
+        what = r["status"] + ": " + r.get("message", "")[:60]
+    return (f"{r['graph'][:28]:<28} {r['fraction']:.1f}x {r['method']:<15} {r['order']:<5} "
+            f"{r['seconds']:7.2f} s  {what}   [Moccasin {r['moccasin']}]")
+
+
+def markdown(rows: list[dict]) -> str:
+    out = ["| graph | budget | method | order | extra compute | peak/budget | time (s) | lower bound gap | Moccasin |",
+           "|---|---|---|---|---|---|---|---|---|"]
+    for r in rows:
+        if r["status"] == "ok":
+            extra = f"+{r['extra_pct']:.3f} %"
+            pb = f"{r['peak_over_budget']:.3f}"
+            gap = "—" if r.get("gap") is None else f"{100 * r['gap']:.1f} %"
+        elif r["status"] == "infeasible":
+            extra, pb, gap = f"infeasible (≥ {r['smallest_feasible']:.3f}x)", "—", "—"
+        else:
+            extra, pb, gap = r["status"], "—", "—"
+        method = r["method"] if r["method"] != "auto" or "picked" not in r else r["picked"]
+        out.append(f"| {r['graph'][:30]} | {r['fraction']:.1f}x | {method} | {r['order']} | {extra} | {pb} | "
+                   f"{r['seconds']:.2f} | {gap} | {r['moccasin']} |")
+    return "\n".join(out) + "\n"
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--graphs", type=pathlib.Path, default=DEFAULT_GRAPHS)
+    ap.add_argument("--time-limit", type=float, default=10.0,
+                    help="seconds per method and cell (at least 60 on graphs over 300 ops)")
+    ap.add_argument("--methods", default=None, help="comma-separated method names (default: all)")
+    ap.add_argument("--only", default=None, help="only graphs whose file name contains this")
+    ap.add_argument("--out", type=pathlib.Path, default=ROOT / "results")
+    args = ap.parse_args()
+    try:
+        import torch
+
+        torch.set_num_threads(1)
+    except ImportError:
+        pass
+    logging.basicConfig(level=logging.WARNING)
+    rows = run(args.graphs, time_limit=args.time_limit, only=args.only,
+               method_names=args.methods.split(",") if args.methods else None)
+    args.out.mkdir(parents=True, exist_ok=True)
+    (args.out / "graphs.json").write_text(json.dumps(rows, indent=1, default=str))
+    (args.out / "graphs.md").write_text(markdown(rows))
+    print(f"wrote {args.out / 'graphs.json'} and {args.out / 'graphs.md'}")
+
+
+if __name__ == "__main__":
+    main()

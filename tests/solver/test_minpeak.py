@@ -1,0 +1,66 @@
+"""Tests of the smallest feasible peak and of InfeasibleBudget."""
+
+import pathlib
+
+import pytest
+from hypothesis import HealthCheck, given, settings, strategies as st
+
+import solver
+from graphs import ComputeGraph
+from solver.methods.bruteforce import brute_force_min_peak
+from solver.methods.eviction import IndexedGraph
+from solver.methods.minpeak import min_peak_sequence, smallest_feasible_peak
+from solver.synthetic import random_training_graph, training_chain
+
+BENCH = pathlib.Path(__file__).resolve().parents[3] / "shared" / "benchmarks" / "graphs"
+
+
+@settings(max_examples=25, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@given(n=st.integers(2, 4), seed=st.integers(0, 10_000))
+def test_found_is_reachable_and_bounded(n, seed):
+    g = random_training_graph(n, seed=seed)
+    found, lb, culprit = smallest_feasible_peak(g)
+    assert lb == solver.peak_lower_bound(g)[0]
+    assert lb <= found <= solver.simulate(g, g.order).peak_bytes
+    best, _ = brute_force_min_peak(g)
+    assert best <= found  # exhaustive search is the true minimum
+    seq = min_peak_sequence(IndexedGraph.of(g), found)
+    assert seq is not None
+
+
+def test_below_bound_raises_with_achievable_smallest():
+    g = training_chain(6, fwd_bytes=5)
+    lb = solver.peak_lower_bound(g)[0]
+    with pytest.raises(solver.InfeasibleBudget) as info:
+        solver.solve(g, lb - 1)
+    exc = info.value
+    assert exc.smallest_feasible_bytes >= lb
+    assert str(exc.smallest_feasible_bytes) in str(exc)
+    s = solver.solve(g, exc.smallest_feasible_bytes)
+    assert s.peak_bytes <= exc.smallest_feasible_bytes
+
+
+@settings(max_examples=15, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@given(n=st.integers(2, 6), seed=st.integers(0, 10_000))
+def test_infeasible_budget_reports_achievable_budget(n, seed):
+    g = random_training_graph(n, seed=seed)
+    lb = solver.peak_lower_bound(g)[0]
+    with pytest.raises(solver.InfeasibleBudget) as info:
+        solver.solve(g, lb - 1, time_limit=2)
+    s = solver.solve(g, info.value.smallest_feasible_bytes, time_limit=2)
+    assert solver.simulate(g, s).peak_bytes <= info.value.smallest_feasible_bytes
+
+
+@pytest.mark.skipif(not (BENCH / "VGG16_256_224_224_3_train.json").exists(), reason="benchmark graphs not present")
+def test_vgg16_smallest_peak_and_culprit():
+    g = ComputeGraph.load(BENCH / "VGG16_256_224_224_3_train.json")
+    top = solver.simulate(g, g.order).peak_bytes
+    found, lb, culprit = smallest_feasible_peak(g)
+    assert found == lb  # the footprint bound is reached
+    assert 0.82 < found / top < 0.84
+    assert culprit is not None
+    inputs = sum(g[u]["bytes"] for u in g.op_preds(culprit))
+    assert inputs + g[culprit]["bytes"] == lb - g.fixed_bytes
+    with pytest.raises(solver.InfeasibleBudget) as info:
+        solver.solve(g, int(0.8 * top))
+    assert info.value.smallest_feasible_bytes == found
