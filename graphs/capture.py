@@ -308,6 +308,26 @@ def _readable_name(node: torch.fx.Node) -> str:
     return text + (f" @ {src}" if src else "")
 
 
+def _module_path(node: torch.fx.Node) -> str:
+    """The innermost module that ran the op (``""`` for the top level)."""
+    stack = node.meta.get("nn_module_stack") or node.meta.get("fwd_nn_module_stack") or {}
+    if not stack:
+        return ""
+    last = list(stack.values())[-1]
+    path = last[0] if isinstance(last, tuple) else str(last)
+    return _clean_path(path)
+
+
+def _clean_path(path: str) -> str:
+    # export spells ModuleList items as "layers.0" or "layers[0]" / "L['self'].layers[0]"
+    import re
+
+    path = re.sub(r"^L\['self'\]\.?", "", path)
+    path = re.sub(r"\[(\d+)\]", r".\1", path)
+    path = re.sub(r"\[['\"]([^'\"]+)['\"]\]", r".\1", path)
+    return path.strip(".")
+
+
 def _op_name(node: torch.fx.Node) -> str:
     if node.target is operator.getitem:
         return f"getitem[{node.args[1]}]"
@@ -588,6 +608,7 @@ def _build(gm: torch.fx.GraphModule, storage: dict, *, name: str, shared: dict[s
             name=_readable_name(node),
             alias_of=rec.base if rec.alias else None,
             source=costs.source_line(node),
+            module=_module_path(node),
         )
         order.append(node.name)
         for u in node.all_input_nodes:
@@ -610,6 +631,11 @@ def _build(gm: torch.fx.GraphModule, storage: dict, *, name: str, shared: dict[s
     cut = max((i + 1 for i, n in enumerate(rest) if n in set(forward_outputs)), default=0)
     order[:] = rest[:cut] + tangents + rest[cut:]
     _fold_multi_output_ops(cg, gm)
+    # random ops draw from one generator: a schedule must keep their relative order to
+    # draw the same numbers as eager (checked by the simulator; not a data edge, which
+    # would tie distant blocks together)
+    cg.meta["ordered"] = [n for n in order if n in cg.nx and cg[n]["op"] != "tangent"
+                          and not cg[n]["recomputable"] and cg[n].get("group") is None]
     cg.order = [n for n in order if n in cg.nx]
     return cg
 

@@ -31,7 +31,8 @@ the training step (a parameter, a buffer, an input, or the output of one op); an
     and a later one needs only ``run_workspace`` (see :mod:`solver.simulate`).
 
 The graph attribute ``order`` is the reference topological order of the op nodes, the
-order that a store-all step runs them in.
+order that a store-all step runs them in. ``meta["ordered"]`` (optional) lists nodes
+that every schedule must first run in that relative order (random ops).
 """
 
 from __future__ import annotations

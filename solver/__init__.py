@@ -9,9 +9,31 @@ from solver.feasibility import peak_lower_bound
 from solver.registry import MethodInfo, get_method, methods, register, solve
 from solver.schedule import Action, Offload, Schedule, TensorDecision
 from solver.simulate import SimulationResult, simulate
+from solver.analytic import TransformerConfig
+from solver.estimate import Estimate, estimate
+from solver.policy import LayerAction, LayerPolicy, policy
+
+
+def __getattr__(name):
+    # optimize/verify join the solvers with torch: imported on first use, so that
+    # ``import solver`` stays free of torch
+    if name in ("optimize", "verify", "Report"):
+        import importlib
+
+        return getattr(importlib.import_module("solver.optimize_model"), name)
+    raise AttributeError(f"module 'solver' has no attribute {name!r}")
 
 __all__ = [
     "Action",
+    "Estimate",
+    "LayerAction",
+    "LayerPolicy",
+    "Report",
+    "TransformerConfig",
+    "estimate",
+    "optimize",
+    "policy",
+    "verify",
     "InfeasibleBudget",
     "MethodInfo",
     "NoScheduleFound",

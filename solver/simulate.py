@@ -13,7 +13,9 @@ Memory model (the same one the public benchmark graphs use):
   the maximum over steps. Projections of one multi-output op (node attribute
   ``group``) that directly follow each other in group order are one run of the op:
   a later one is charged ``run_workspace`` instead of ``workspace``.
-* An op is valid only when every op it reads has a live, on-device copy.
+* An op is valid only when every op it reads has a live, on-device copy, and the
+  nodes listed in ``graph.meta["ordered"]`` (random ops, which draw from one
+  generator) first run in that order.
 * Offload: an :class:`~solver.schedule.Offload` moves a copy to host memory during step
   ``after + 1`` and brings it back during step ``before - 1``; in between it is not
   charged on the device and cannot be read. A step costs
@@ -168,6 +170,17 @@ def simulate(
         current[v] = k
         occ_at_step.append(k)
 
+    ordered = graph.meta.get("ordered")
+    if ordered and error is None:
+        first = {}
+        for t, v in enumerate(sequence):
+            first.setdefault(v, t)
+        pos = [first[v] for v in ordered if v in first]
+        for a, b in zip(pos, pos[1:]):
+            if b < a:
+                error = (f"step {a}: {sequence[a]!r} runs after {sequence[b]!r}, against the graph's "
+                         "required order (random ops draw in their reference order)")
+                break
     missing = [v for v in graph.ops if v not in seen]
     if missing and error is None:
         error = f"{len(missing)} op nodes never run, e.g. {missing[0]!r}"

@@ -1,0 +1,509 @@
+"""``optimize(model, budget_gb)``: a drop-in module whose training step fits the budget.
+
+This is the one place where the solvers meet torch: capture the step
+(:func:`graphs.capture`), solve a schedule under the budget (:func:`solver.solve`), and
+rewrite the model to run it, at tensor level (``mode="graph"``,
+:mod:`graphs.graph_mode`) or at layer level (``mode="module"``,
+:mod:`graphs.module_mode`). :func:`verify` runs one real step under the memory tracker
+and puts the measured peak and step time next to the prediction.
+"""
+
+from __future__ import annotations
+
+import copy
+import logging
+import math
+import statistics
+import time
+from dataclasses import dataclass, field
+from typing import Any, Callable
+
+import torch
+from torch import nn
+
+from graphs import CaptureError, ComputeGraph
+from graphs.capture import capture, default_loss
+from graphs.graph_mode import ScheduledStep, wrap_graph_mode
+from graphs.memory import MemoryTracker
+from graphs.module_mode import apply_module_plan
+from graphs.units import GiB, format_bytes
+from solver.module_plan import ModulePlan, plan_modules
+from solver.registry import check_budget, solve
+from solver.schedule import Schedule
+from solver.simulate import simulate
+
+__all__ = ["optimize", "verify", "Report", "optimizer_state_bytes"]
+
+log = logging.getLogger(__name__)
+
+
+@dataclass
+class Report:
+    """What a plan predicts, and (after :func:`verify`) what a real step measured.
+
+    All byte figures are peak device bytes of one training step: parameters, buffers,
+    inputs, gradients, saved activations and temporaries (plus optimizer state when an
+    optimizer was given).
+    """
+
+    mode: str
+    method: str
+    budget_bytes: int
+    predicted_peak_bytes: int
+    store_all_peak_bytes: int
+    smallest_feasible_bytes: int
+    predicted_overhead: float
+    gap: float | None
+    solve_seconds: float
+    capture_seconds: float
+    decisions: str
+    budget_kind: str = "step"
+    activation_budget_bytes: int | None = None
+    recomputed: int = 0
+    measured_peak_bytes: int | None = None
+    measured_step_seconds: float | None = None
+    original_step_seconds: float | None = None
+    original_peak_bytes: int | None = None
+    notes: list[str] = field(default_factory=list)
+    graph: ComputeGraph | None = field(default=None, repr=False, compare=False)
+    schedule: Schedule | None = field(default=None, repr=False, compare=False)
+
+    @property
+    def fits(self) -> bool | None:
+        """Whether the measured peak is within the budget (None before :func:`verify`)."""
+        if self.measured_peak_bytes is None:
+            return None
+        return self.measured_peak_bytes <= self.budget_bytes
+
+    def to_dict(self) -> dict[str, Any]:
+        out = {k: v for k, v in self.__dict__.items() if k not in ("graph", "schedule", "decisions")}
+        out["fits"] = self.fits
+        return out
+
+    def __str__(self) -> str:
+        def b(x):
+            return "-" if x is None else f"{format_bytes(x)}"
+
+        gap = "unknown" if self.gap is None else f"{100 * self.gap:.1f} % of the extra compute"
+        lines = [
+            f"remat plan ({self.mode} mode, method {self.method})",
+            f"  budget              {b(self.budget_bytes)}"
+            + (f"  (activations: {b(self.activation_budget_bytes)})" if self.activation_budget_bytes else ""),
+            f"  predicted peak      {b(self.predicted_peak_bytes)}",
+            f"  store-all peak      {b(self.store_all_peak_bytes)}",
+            f"  smallest feasible   {b(self.smallest_feasible_bytes)}",
+            f"  extra compute       {100 * self.predicted_overhead:+.2f} % (predicted), gap {gap}",
+            f"  planning            capture {self.capture_seconds:.2f} s, solve {self.solve_seconds:.2f} s",
+        ]
+        if self.measured_peak_bytes is not None:
+            ratio = self.measured_peak_bytes / self.predicted_peak_bytes if self.predicted_peak_bytes else math.nan
+            lines.append(
+                f"  measured peak       {b(self.measured_peak_bytes)} ({ratio:.3f}x predicted; "
+                f"{'fits' if self.fits else 'OVER'} the budget)"
+            )
+        if self.measured_step_seconds is not None:
+            rel = ""
+            if self.original_step_seconds:
+                rel = f" ({self.measured_step_seconds / self.original_step_seconds:.2f}x the original's " \
+                      f"{1e3 * self.original_step_seconds:.1f} ms)"
+            lines.append(f"  step time           {1e3 * self.measured_step_seconds:.1f} ms{rel}")
+        if self.original_peak_bytes is not None:
+            lines.append(f"  original peak       {b(self.original_peak_bytes)}")
+        for n in self.notes:
+            lines.append(f"  note: {n}")
+        lines.append("  decisions:")
+        lines.extend("    " + line for line in self.decisions.splitlines())
+        return "\n".join(lines)
+
+
+def optimizer_state_bytes(optimizer: torch.optim.Optimizer | None, model: nn.Module) -> int:
+    """Bytes of optimizer state during a step: measured when the state exists, else the
+    steady state of the optimizer's kind (Adam/AdamW: two tensors per parameter; SGD
+    with momentum: one).
+
+    Examples
+    --------
+    >>> net = nn.Linear(4, 4)
+    >>> optimizer_state_bytes(torch.optim.Adam(net.parameters()), net)
+    160
+    """
+    if optimizer is None:
+        return 0
+    total = 0
+    seen = set()
+    for state in optimizer.state.values():
+        for v in state.values():
+            if isinstance(v, torch.Tensor) and v.untyped_storage().data_ptr() not in seen:
+                seen.add(v.untyped_storage().data_ptr())
+                total += v.untyped_storage().nbytes()
+    if total:
+        return total
+    params = [p for g in optimizer.param_groups for p in g["params"] if p.requires_grad]
+    param_bytes = sum(p.numel() * p.element_size() for p in params)
+    name = type(optimizer).__name__.lower()
+    if "adam" in name:
+        return 2 * param_bytes
+    if name == "sgd" and any(g.get("momentum", 0) for g in optimizer.param_groups):
+        return param_bytes
+    if "rmsprop" in name or "adagrad" in name:
+        return param_bytes
+    return 0
+
+
+def _split_inputs(example_inputs: Any) -> tuple[tuple, dict]:
+    if isinstance(example_inputs, dict):
+        return (), dict(example_inputs)
+    if isinstance(example_inputs, (tuple, list)):
+        return tuple(example_inputs), {}
+    return (example_inputs,), {}
+
+
+def _capture_inputs(args: tuple, kwargs: dict) -> tuple | dict:
+    if kwargs and args:
+        raise CaptureError("pass the example inputs either as a tuple of positional arguments or "
+                           "as a dict of keyword arguments, not both")
+    return kwargs if kwargs else args
+
+
+def _blocks(model: nn.Module) -> list[str]:
+    """Candidate blocks for module mode: the children of the longest ModuleList or
+    Sequential (the layers of a transformer, the stages of a CNN); else top-level children."""
+    best: list[str] = []
+    for name, mod in model.named_modules():
+        if isinstance(mod, (nn.ModuleList, nn.Sequential)) and len(mod) >= 2:
+            kids = [f"{name}.{k}" if name else k for k, _ in mod.named_children()]
+            if len(kids) > len(best):
+                best = kids
+    if not best:
+        best = [k for k, _ in model.named_children()]
+    return best
+
+
+def optimize(
+    model: nn.Module,
+    budget_gb: float,
+    example_inputs: Any = None,
+    *,
+    method: str = "auto",
+    time_limit: float | None = None,
+    mode: str = "graph",
+    activation_budget: bool = False,
+    optimizer: torch.optim.Optimizer | None = None,
+    verify: bool = False,
+    measure_time: bool | None = None,
+    compiler: str = "eager",
+    blocks: list[str] | None = None,
+) -> nn.Module:
+    """Return a drop-in module whose training step fits ``budget_gb``.
+
+    Parameters
+    ----------
+    model : torch.nn.Module
+        In training mode. Not changed: the returned module shares its parameters and
+        buffers (an optimizer built on ``model.parameters()`` keeps working) and has the
+        same class, ``state_dict`` keys, forward signature and outputs.
+    budget_gb : float
+        Peak device memory of one training step in GiB (2**30 bytes): parameters,
+        buffers, inputs, gradients, saved activations and temporaries, plus optimizer
+        state when ``optimizer`` is given. With ``activation_budget=True`` it counts
+        only what the step adds beyond parameters, buffers, inputs, optimizer state and
+        gradients (activations and temporaries), for research.
+    example_inputs : tuple or dict, optional
+        Positional or keyword arguments of ``model``. Given: plan now (errors such as
+        an infeasible budget are raised here, and the model is left untouched).
+        Omitted: plan lazily on the first training call, from the real batch, and again
+        whenever input shapes change (like ``torch.compile``).
+    method : str
+        A solver method (:func:`solver.methods`) or ``"auto"``; graph mode only.
+    time_limit : float, optional
+        Seconds for the solver.
+    mode : {"graph", "module"}
+        ``"graph"``: tensor level, exact (the forward keeps exactly the stored tensors,
+        backward recomputes the rest). ``"module"``: layer level, wrapping the model's
+        own blocks with non-reentrant ``torch.utils.checkpoint`` or selective
+        checkpointing (the form trainers, FSDP2 and HF models compose with).
+    activation_budget : bool
+        Read ``budget_gb`` as an activation-only budget.
+    optimizer : torch.optim.Optimizer, optional
+        Its state counts in the budget.
+    verify : bool
+        Run one real training step (forward, loss, backward; gradients are restored
+        afterwards) under the memory tracker and add the measured peak and step time to
+        ``module.report``. Needs ``example_inputs``.
+    measure_time : bool, optional
+        Time every op on the real device for the cost model (default: when the inputs
+        are real tensors).
+    compiler : {"eager", "inductor"}
+        How graph mode runs its forward and backward graphs.
+    blocks : list of str, optional
+        Candidate blocks for module mode (default: the children of the model's longest
+        ModuleList/Sequential).
+
+    Returns
+    -------
+    torch.nn.Module
+        With ``.report`` (a :class:`Report`) once planned. In ``eval()`` or under
+        ``torch.no_grad()`` it runs the original forward: no recomputation.
+
+    Raises
+    ------
+    InfeasibleBudget
+        The budget is below the smallest feasible peak; the message names that peak.
+    CaptureError
+        Graph mode cannot capture the model; the message names the op or line and
+        suggests ``mode="module"``.
+
+    Examples
+    --------
+    >>> net = nn.Sequential(nn.Linear(64, 256), nn.ReLU(), nn.Linear(256, 256), nn.ReLU(), nn.Linear(256, 1))
+    >>> x = torch.randn(512, 64)
+    >>> fast = optimize(net, 2.0, (x,), measure_time=False)
+    >>> fast.report.predicted_peak_bytes <= fast.report.budget_bytes
+    True
+    >>> torch.equal(fast(x), net(x))
+    True
+    """
+    if mode not in ("graph", "module"):
+        raise ValueError(f"mode must be 'graph' or 'module', got {mode!r}")
+    try:
+        budget_bytes = float(budget_gb) * GiB
+    except (TypeError, ValueError):
+        raise ValueError(f"budget_gb must be a number of GiB, got {budget_gb!r}") from None
+    if not budget_bytes > 0 or math.isnan(budget_bytes):
+        raise ValueError(f"budget_gb must be a positive number of GiB, got {budget_gb!r}")
+    opt_bytes = optimizer_state_bytes(optimizer, model)
+    state: dict[str, Any] = {"report": None}
+
+    def plan(m: nn.Module, args: tuple, kwargs: dict):
+        t0 = time.perf_counter()
+        try:
+            cg = capture(m, _capture_inputs(args, kwargs), backward="outputs", measure_time=measure_time)
+        except CaptureError as exc:
+            if mode == "graph" and "mode='module'" not in str(exc):
+                raise CaptureError(f"{exc} (graph mode needs one graph of the step; mode='module' "
+                                   "plans at layer level instead)") from exc
+            raise
+        cg.meta["extra_fixed_bytes"] = opt_bytes
+        capture_s = time.perf_counter() - t0
+        store_all = simulate(cg, cg.order).peak_bytes
+        budget = int(budget_bytes)
+        act_budget = None
+        if activation_budget:
+            grads = sum(cg[v]["bytes"] for v in cg.ops if cg[v]["output"] and cg[v]["phase"] == "backward")
+            act_budget = budget
+            budget = budget + cg.fixed_bytes + grads
+        t1 = time.perf_counter()
+        if mode == "graph":
+            out = _plan_graph(cg, budget, act_budget, store_all, capture_s, t1, method, time_limit, compiler, state)
+        else:
+            out = _plan_module(m, cg, budget, act_budget, store_all, capture_s, t1, blocks, time_limit, state)
+        if state.get("wrapper") is not None:
+            state["wrapper"].report = state["report"]
+        log.info("%s", state["report"])
+        return out
+
+    if mode == "graph":
+        wrapper = wrap_graph_mode(model, lambda m, a, k: plan(m, a, k))
+    else:
+        wrapper = _LazyModuleMode(model, plan).module
+    wrapper.__dict__["_remat_state"] = state
+    state["wrapper"] = wrapper
+    wrapper.report = None
+
+    if example_inputs is not None:
+        args, kwargs = _split_inputs(example_inputs)
+        if mode == "graph":
+            from graphs.graph_mode import input_signature
+
+            step = plan(model, args, kwargs)
+            wrapper.remat_steps[input_signature(args, kwargs)] = step
+        else:
+            wrapper.remat_plan_now(args, kwargs)
+        if verify:
+            _verify_into(wrapper, model, example_inputs, state["report"])
+    elif verify:
+        raise ValueError("verify=True needs example_inputs")
+    return wrapper
+
+
+def _plan_graph(cg, budget, act_budget, store_all, capture_s, t1, method, time_limit, compiler, state):
+    check_budget(cg, budget)  # raises InfeasibleBudget naming the smallest feasible peak
+    from solver.methods.minpeak import smallest_feasible_peak
+
+    low = smallest_feasible_peak(cg)[0]
+    if budget >= store_all and method == "auto":
+        schedule = solve(cg, budget, method="store_all")
+    else:
+        schedule = solve(cg, budget, method=method, time_limit=time_limit)
+    solve_s = time.perf_counter() - t1
+    eager = schedule.sequence == list(cg.order)
+    step = _EagerStep() if eager else ScheduledStep(cg, schedule.sequence, compiler=compiler)
+    report = Report(
+        mode="graph", method=schedule.method, budget_bytes=budget, predicted_peak_bytes=schedule.peak_bytes,
+        store_all_peak_bytes=store_all, smallest_feasible_bytes=min(low, store_all),
+        predicted_overhead=schedule.overhead, gap=schedule.gap, solve_seconds=solve_s, capture_seconds=capture_s,
+        decisions=schedule.table(cg, limit=25), budget_kind="activations" if act_budget else "step",
+        activation_budget_bytes=act_budget, recomputed=sum(1 for c in schedule.counts().values() if c > 1),
+        graph=cg, schedule=schedule,
+    )
+    if eager:
+        report.notes.append("the store-all schedule fits: the step runs the original forward, no recomputation")
+    state["report"] = report
+    return step
+
+
+class _EagerStep:
+    """The original forward (the store-all schedule needs no rewrite)."""
+
+    def __call__(self, model: nn.Module, args: tuple, kwargs: dict) -> Any:
+        return type(model).forward(model, *args, **kwargs)
+
+
+def _plan_module(model, cg, budget, act_budget, store_all, capture_s, t1, blocks, time_limit, state) -> ModulePlan:
+    names = blocks or _blocks(model)
+    check_budget(cg, budget)
+    if budget >= store_all:
+        mp = plan_modules(cg, store_all, blocks=names)  # nothing to checkpoint
+    else:
+        mp = plan_modules(cg, budget, blocks=names, time_limit=time_limit)
+    sched = mp.schedule
+    r = simulate(cg, sched)
+    sched.cost, sched.peak_bytes, sched.base_cost, sched.budget_bytes = r.cost, r.peak_bytes, r.base_cost, budget
+    report = Report(
+        mode="module", method="module_plan", budget_bytes=budget, predicted_peak_bytes=r.peak_bytes,
+        store_all_peak_bytes=store_all, smallest_feasible_bytes=min(store_all, r.peak_bytes),
+        predicted_overhead=sched.overhead, gap=None, solve_seconds=time.perf_counter() - t1,
+        capture_seconds=capture_s, decisions=mp.table(), budget_kind="activations" if act_budget else "step",
+        activation_budget_bytes=act_budget, graph=cg, schedule=sched,
+    )
+    state["report"] = report
+    return mp
+
+
+class _LazyModuleMode:
+    """Module mode with planning on the first training call (per input signature)."""
+
+    def __init__(self, model: nn.Module, plan: Callable) -> None:
+        from graphs.graph_mode import input_signature
+
+        self.model, self._plan = model, plan
+        self.plans: dict[tuple, dict[str, str]] = {}
+        wrapper = copy.copy(model)
+        original_forward = type(model).forward
+        this = self
+
+        def forward(*args: Any, **kwargs: Any) -> Any:
+            if wrapper.training and torch.is_grad_enabled():
+                key = input_signature(args, kwargs)
+                if key not in this.plans:
+                    this.plan_now(args, kwargs, key=key)
+                inner = this.wrapped[key]
+                return inner.forward(*args, **kwargs)
+            return original_forward(wrapper, *args, **kwargs)
+
+        self.wrapped: dict[tuple, nn.Module] = {}
+        wrapper.forward = forward
+        wrapper.remat_plan_now = self.plan_now
+        self.module = wrapper
+
+    def plan_now(self, args: tuple, kwargs: dict, *, key: tuple | None = None) -> None:
+        from graphs.graph_mode import input_signature
+
+        key = key or input_signature(args, kwargs)
+        mp = self._plan(self.model, args, kwargs)
+        self.plans[key] = mp.actions
+        self.wrapped[key] = apply_module_plan(self.model, mp.actions)
+        self.module.remat_plan = mp.actions
+
+
+def _call(module: nn.Module, inputs: Any) -> Any:
+    args, kwargs = _split_inputs(inputs)
+    return module(*args, **kwargs)
+
+
+def _step_seconds(module: nn.Module, inputs: Any, loss_fn, *, repeats: int = 3) -> float:
+    times = []
+    for _ in range(repeats):
+        t0 = time.process_time()
+        loss_fn(_call(module, inputs)).backward()
+        times.append(time.process_time() - t0)
+    return statistics.median(times)
+
+
+def verify(module: nn.Module, example_inputs: Any, *, loss_fn: Callable | None = None,
+           original: nn.Module | None = None, repeats: int = 3) -> Report:
+    """Run real training steps of an optimized module and measure them.
+
+    Adds the measured peak (one step, gradients initially None, under
+    :class:`graphs.memory.MemoryTracker`; on CUDA also ``max_memory_allocated``) and the
+    median step time (process CPU time on CPU) to ``module.report``; with ``original``,
+    also the original module's step time and peak. Gradients present before the call
+    are restored afterwards.
+
+    Parameters
+    ----------
+    module : torch.nn.Module
+        Returned by :func:`optimize`.
+    example_inputs : tuple or dict
+    loss_fn : callable, optional
+        Output -> scalar loss (default :func:`graphs.capture.default_loss`).
+    original : torch.nn.Module, optional
+        The model before optimization, to time side by side.
+    repeats : int
+        Timed steps (median) after one warm-up.
+
+    Returns
+    -------
+    Report
+    """
+    state = module.__dict__.get("_remat_state")
+    if state is None:
+        raise ValueError("verify() takes a module returned by solver.optimize")
+    return _verify_into(module, original, example_inputs, state.get("report"), loss_fn=loss_fn, repeats=repeats)
+
+
+def _verify_into(module, original, example_inputs, report, *, loss_fn=None, repeats: int = 3) -> Report:
+    loss_fn = loss_fn or default_loss
+    params = list(module.parameters())
+    saved_grads = [p.grad for p in params]
+    buffers = [b.detach().clone() for b in module.buffers()]
+    rng = torch.get_rng_state()
+    try:
+        if report is None:  # lazy plan: the first call plans
+            with torch.random.fork_rng():
+                loss_fn(_call(module, example_inputs)).backward()
+            report = module.__dict__["_remat_state"]["report"]
+        for p in params:
+            p.grad = None
+        loss_fn(_call(module, example_inputs)).backward()  # warm-up
+        for p in params:
+            p.grad = None
+        if torch.cuda.is_available():
+            torch.cuda.synchronize()
+        with MemoryTracker(module, example_inputs) as tracker:
+            loss_fn(_call(module, example_inputs)).backward()
+        peak = tracker.peak_bytes + (report.graph.meta.get("extra_fixed_bytes", 0) if report.graph is not None else 0)
+        if tracker.cuda_peak_bytes is not None:
+            report.notes.append(f"CUDA max_memory_allocated {format_bytes(tracker.cuda_peak_bytes)}")
+        report.measured_peak_bytes = int(peak)
+        report.measured_step_seconds = _step_seconds(module, example_inputs, loss_fn, repeats=repeats)
+        if original is not None:
+            for p in params:
+                p.grad = None
+            report.original_step_seconds = _step_seconds(original, example_inputs, loss_fn, repeats=repeats)
+            for p in params:
+                p.grad = None
+            with MemoryTracker(original, example_inputs) as t2:
+                loss_fn(_call(original, example_inputs)).backward()
+            report.original_peak_bytes = int(t2.peak_bytes + (report.graph.meta.get("extra_fixed_bytes", 0)
+                                                              if report.graph is not None else 0))
+    finally:
+        for p, g in zip(params, saved_grads):
+            p.grad = g
+        with torch.no_grad():
+            for b, saved in zip(module.buffers(), buffers):
+                b.copy_(saved)
+        torch.set_rng_state(rng)
+    if report.measured_peak_bytes > report.budget_bytes:
+        log.warning("measured peak %s exceeds the budget %s", report.measured_peak_bytes, report.budget_bytes)
+    return report

@@ -1,0 +1,186 @@
+"""optimize(): same numbers as the original, measured peak within the budget, prediction
+within 5 % of the measurement, clear errors that leave the model untouched."""
+
+import copy
+
+import pytest
+import torch
+
+import solver
+from examples import models
+from graphs import CaptureError
+from graphs.capture import capture, default_loss
+from graphs.units import GiB
+from solver import InfeasibleBudget, simulate
+from solver.methods.minpeak import smallest_feasible_peak
+
+# activation-heavy sizes, so that recomputation matters next to the parameters
+ZOO = {
+    "mlp": lambda: models.mlp(batch=256, d_in=64, hidden=256, depth=4),
+    "resnet": lambda: models.resnet(batch=8, width=8, size=32),
+    "unet": lambda: models.unet(batch=4, width=8, size=32),
+    "gpt": lambda: models.gpt(n_layer=3, d=64, seq=64, batch=8),
+    "inplace_mlp": lambda: models.inplace_mlp(batch=256, d=128),
+    "hf_gpt2": lambda: models.hf_gpt2(n_layer=2, d=64, seq=64, batch=4),
+    "hf_llama": lambda: models.hf_llama(n_layer=2, d=64, seq=64, batch=4),
+}
+FRACTIONS = [1.0, 0.7, 0.5, 0.3, "min+10%"]
+MODULE_MODELS = ["resnet", "unet", "gpt", "hf_gpt2", "hf_llama"]
+
+
+def _call(model, inputs):
+    return model(**inputs) if isinstance(inputs, dict) else model(*inputs)
+
+
+def _peaks(name):
+    model, inputs = ZOO[name]()
+    cg = capture(model, inputs, backward="outputs", measure_time=False)
+    return simulate(cg, cg.order).peak_bytes, smallest_feasible_peak(cg)[0]
+
+
+_PEAKS: dict = {}
+
+
+def _budget(name, frac):
+    if name not in _PEAKS:
+        _PEAKS[name] = _peaks(name)
+    store_all, low = _PEAKS[name]
+    return int(1.1 * low) if frac == "min+10%" else int(frac * store_all)
+
+
+def _check(name, frac, mode):
+    model, inputs = ZOO[name]()
+    ref = copy.deepcopy(model)
+    budget = _budget(name, frac)
+    before = {k: v.clone() for k, v in model.state_dict().items()}
+    try:
+        fast = solver.optimize(model, budget / GiB, inputs, mode=mode, measure_time=False)
+    except InfeasibleBudget as exc:
+        # an honest outcome only below the smallest feasible peak, which the error names
+        assert exc.smallest_feasible_bytes > budget
+        assert str(exc.smallest_feasible_bytes) in str(exc)
+        assert all(torch.equal(before[k], v) for k, v in model.state_dict().items())
+        assert "forward" not in model.__dict__
+        assert frac != 1.0 and frac != "min+10%" or mode == "module"
+        return None
+    assert list(fast.state_dict()) == list(model.state_dict())
+    assert type(fast) is type(model)
+    report = solver.verify(fast, inputs)
+    assert report.measured_peak_bytes <= report.budget_bytes, str(report)
+    assert report.measured_peak_bytes == pytest.approx(report.predicted_peak_bytes, rel=0.05), str(report)
+    opt_a = torch.optim.SGD(model.parameters(), lr=0.05)
+    opt_b = torch.optim.SGD(ref.parameters(), lr=0.05)
+    for step in range(3):
+        torch.manual_seed(step)
+        la = default_loss(_call(fast, inputs))
+        la.backward()
+        torch.manual_seed(step)
+        lb = default_loss(_call(ref, inputs))
+        lb.backward()
+        assert torch.equal(la, lb), (step, la.item(), lb.item())
+        for (pname, a), b in zip(model.named_parameters(), ref.parameters()):
+            assert torch.equal(a.grad, b.grad), (step, pname)
+        for a, b in zip(model.buffers(), ref.buffers()):
+            assert torch.equal(a, b)  # BatchNorm statistics updated once per step
+        opt_a.step(), opt_b.step(), opt_a.zero_grad(), opt_b.zero_grad()
+    return report
+
+
+@pytest.mark.parametrize("name,frac", [("mlp", 0.5), ("gpt", "min+10%")])
+def test_graph_mode_quick(name, frac):
+    report = _check(name, frac, "graph")
+    assert report is not None
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("frac", FRACTIONS)
+@pytest.mark.parametrize("name", ["mlp", "resnet", "unet", "gpt", "inplace_mlp", "hf_gpt2", "hf_llama"])
+def test_graph_mode_zoo(name, frac):
+    _check(name, frac, "graph")
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("frac", FRACTIONS)
+@pytest.mark.parametrize("name", MODULE_MODELS)
+def test_module_mode_zoo(name, frac):
+    _check(name, frac, "module")
+
+
+def test_module_mode_quick():
+    report = _check("gpt", 0.85, "module")
+    assert report is not None and "full" in report.decisions
+
+
+def test_recomputation_really_happens_below_store_all():
+    model, inputs = ZOO["gpt"]()
+    store_all, low = _PEAKS.get("gpt") or _peaks("gpt")
+    budget = (store_all + low) // 2
+    fast = solver.optimize(model, budget / GiB, inputs, measure_time=False)
+    assert fast.report.recomputed > 0
+    assert fast.report.predicted_overhead > 0
+    assert fast.report.predicted_peak_bytes <= budget < store_all
+
+
+def test_infeasible_budget_names_the_smallest_and_leaves_model_untouched():
+    model, inputs = ZOO["mlp"]()
+    forward = model.forward
+    with pytest.raises(InfeasibleBudget) as info:
+        solver.optimize(model, 1e-6, inputs, measure_time=False)
+    assert "smallest feasible" in str(info.value)
+    assert info.value.smallest_feasible_bytes > 1e-6 * GiB
+    assert model.forward == forward and "forward" not in model.__dict__
+    # and the smallest feasible budget it names works
+    fast = solver.optimize(model, info.value.smallest_feasible_bytes / GiB, inputs, measure_time=False)
+    assert fast.report.predicted_peak_bytes <= info.value.smallest_feasible_bytes
+
+
+def test_uncapturable_model_suggests_module_mode():
+    model, inputs = models.data_dependent()
+    with pytest.raises(CaptureError, match="mode='module'"):
+        solver.optimize(model, 1.0, inputs, measure_time=False)
+
+
+def test_bad_budgets_are_plain_value_errors():
+    model, inputs = ZOO["mlp"]()
+    for bad in (0, -1, float("nan"), "lots"):
+        with pytest.raises(ValueError):
+            solver.optimize(model, bad, inputs, measure_time=False)
+
+
+def test_lazy_planning_on_first_call_and_replanning_on_new_shapes():
+    model, inputs = ZOO["mlp"]()
+    ref = copy.deepcopy(model)
+    fast = solver.optimize(model, 1.0, measure_time=False)
+    assert fast.report is None
+    default_loss(_call(fast, inputs)).backward()
+    assert fast.report is not None and len(fast.remat_steps) == 1
+    small = (inputs[0][:32],)
+    out = _call(fast, small)
+    assert len(fast.remat_steps) == 2
+    assert torch.equal(out, _call(ref, small))
+
+
+def test_eval_and_no_grad_run_the_original_forward():
+    model, inputs = ZOO["gpt"]()
+    store_all, low = _PEAKS.get("gpt") or _peaks("gpt")
+    fast = solver.optimize(model, ((store_all + low) // 2) / GiB, inputs, measure_time=False)
+    calls = []
+    model.blocks[0].register_forward_hook(lambda *a: calls.append(1))
+    with torch.no_grad():
+        a = _call(fast, inputs)
+    fast.eval()
+    b = _call(fast, inputs)
+    assert len(calls) == 2  # module hooks fire: the original forward ran, once per call
+    assert torch.equal(a, b)
+
+
+def test_report_reads_well():
+    model, inputs = ZOO["gpt"]()
+    store_all, low = _PEAKS.get("gpt") or _peaks("gpt")
+    fast = solver.optimize(model, ((store_all + low) // 2) / GiB, inputs, measure_time=False, verify=True)
+    text = str(fast.report)
+    for word in ("budget", "predicted peak", "store-all peak", "smallest feasible", "extra compute",
+                 "measured peak", "step time", "recompute"):
+        assert word in text, word
+    d = fast.report.to_dict()
+    assert d["fits"] is True and d["measured_peak_bytes"] <= d["budget_bytes"]
