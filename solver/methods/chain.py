@@ -11,7 +11,14 @@ schedule either
 * runs stages ``s..s'-1`` keeping only the boundary of ``s'-1``, solves ``s'..t`` from
   it, then solves ``s..s'-1`` -- either recomputing the boundary of ``s'-1`` or keeping
   it until the backward of ``s'-1`` reads it (useful when a stage's backward reads its
-  own output, as autograd's does).
+  own output, as autograd's does); or
+* (non-persistent checkpoints) runs stages ``s..s'-1`` keeping the boundary of
+  ``s'-1``, uses it for the backward of ``t..k`` only (``k > s'``), drops it on the
+  way (possibly leaving the boundary of ``k-1`` resident), and solves ``s..k-1`` from
+  the input of ``s`` again. Inside such a part the bottom checkpoint is itself dropped
+  once its last sweep has read it, and the parts nest. These are the schedules of the
+  Checkmate stage space that the persistent rotor family misses on heterogeneous
+  chains: a cheap checkpoint that is too costly to hold through a later backward.
 
 Memory is exact per stage (each stage's peaks come from a local replay of the
 simulator's rules) and is discretised in slots of ``ceil(budget / slots)`` bytes,
@@ -19,11 +26,15 @@ rounded conservatively: costs and needs only grow, so no schedule the program ac
 is over the budget in its own model. The sequence it emits is then graded by
 :func:`solver.simulate`; where the model misses something (values that cross stages
 outside the chain's interface), a lower internal limit is tried until the simulated
-schedule fits. With one byte per slot (small graphs) the program is exactly optimal
-over its family. On uniform training chains that family holds the optimum of every
-sequence; on heterogeneous ones it can miss schedules that drop a checkpoint after
-advancing from it and redo the stages below it from an earlier checkpoint (a few
-per cent of the budgets of small random chains, by a few per cent of the cost).
+schedule fits. With one byte per slot (small graphs) the program is exact over its
+family. On training chains of up to five layers it equals exhaustive search of the
+Checkmate stage space (:func:`solver.methods.bruteforce.brute_force_fixed`) at every
+budget (checked in the tests); on longer ones it can still miss schedules that hoist
+the recomputation for a lower stage before the backward of the stage above (worth it
+when that backward's gradient is larger than what it frees).
+
+The non-persistent program costs O(S^5 x slots) and runs for chains of at most
+:data:`FULL_PROGRAM_STAGES` stages; longer chains get the persistent program.
 
 Complexity: O(S^3 x slots) time and O(S^2 x slots) memory for S stages (numpy over
 the slot axis).
@@ -48,6 +59,10 @@ from solver.simulate import simulate
 __all__ = ["ChainModel", "chain_model", "chain_dp"]
 
 log = logging.getLogger(__name__)
+
+#: Chains of at most this many stages get the program with non-persistent checkpoints
+#: (O(S^5) candidate rows); longer ones the persistent rotor program (O(S^3)).
+FULL_PROGRAM_STAGES = 12
 
 
 def _local_peak(graph: ComputeGraph, ops: Sequence[Hashable], pre: Iterable[Hashable],
@@ -309,6 +324,213 @@ class _Program:
         return seq
 
 
+class _FullProgram:
+    """The program with non-persistent checkpoints (see the module docstring).
+
+    ``P[s, t, f]`` (an array over slot counts): least time to run the backward of stages
+    ``t..s`` while the input ``x_{s-1}`` of stage ``s`` is held by the caller (not
+    counted); ``f = 1``: the boundary ``x_t`` is already resident and counted until the
+    backward of ``t`` reads it. ``N[s, t, k, f, e]``: the same for stages ``t..k``
+    (``s < k <= t``) when ``x_{s-1}`` is counted here and dropped on the way; ``e = 1``:
+    the boundary ``x_{k-1}`` is left resident for the caller.
+    """
+
+    def __init__(self, model: ChainModel, unit: int, slots: int, *, persistent_only: bool = False) -> None:
+        self.model = model
+        self.unit = unit
+        self.slots = slots
+        self.persistent_only = persistent_only
+        self.P: dict = {}
+        self.N: dict = {}
+        self.PC: dict = {}
+        self.NC: dict = {}
+        self.inf = np.full(slots + 1, np.inf)
+        self._run()
+
+    def need(self, b) -> int:
+        return int(math.ceil(float(b) / self.unit))
+
+    def _shift(self, row: np.ndarray, by: int) -> np.ndarray:
+        if by <= 0:
+            if by == 0:
+                return row
+            out = np.empty_like(row)
+            out[:by] = row[-by:]
+            out[by:] = row[-1]
+            return out
+        out = np.full_like(row, np.inf)
+        if by <= self.slots:
+            out[by:] = row[:-by] if by else row
+        return out
+
+    def _cap(self, row: np.ndarray, req: int) -> np.ndarray:
+        if req <= 0:
+            return row
+        out = row.copy()
+        out[:min(req, len(out))] = np.inf
+        return out
+
+    def _run(self) -> None:
+        md = self.model
+        L = len(md.stages)
+        fc = np.concatenate([[0.0], np.cumsum(md.fwd)])
+        need = self.need
+        self.chain_pk = {}  # (s, j) -> peak of running stages s..j, x_{s-1} held outside
+        self.chain_in = {}  # (s, j) -> the same with x_{s-1} counted and dropped in stage s
+        for s in range(L):
+            a = int(md.pn[s])
+            b = int(md.pn_in[s])
+            for j in range(s, L):
+                if j > s:
+                    a = max(a, int(md.pn_in[j]))
+                    b = max(b, int(md.pn_in[j]))
+                self.chain_pk[s, j] = a
+                self.chain_in[s, j] = b
+        for d in range(L):
+            for s in range(L - d):
+                t = s + d
+                for f in (0, 1):
+                    held = int(md.wx[t]) if f else 0
+                    cands = []
+                    # A: run stage s keeping what its backward reads
+                    if d == 0:
+                        c = (md.fwd_nb[s] if f else md.fwd[s]) + md.bwd[s]
+                        pk = max(held + int(md.pa_nb[s]) if f else int(md.pa[s]), int(md.pb[s] - md.grad[s + 1]))
+                        cands.append((self._cap(np.full(self.slots + 1, c), need(pk)), (0,)))
+                    else:
+                        sub = self._shift(self.P[s + 1, t, f], need(md.xbar[s]))
+                        pk = max(int(md.pa[s]) + held, int(md.pb[s] - md.grad[t + 1]))
+                        cands.append((self._cap(sub + md.fwd[s] + md.bwd[s], need(pk)), (0,)))
+                    for sp in range(s + 1, t + 1):
+                        req = need(self.chain_pk[s, sp - 1] + held)
+                        fcost = fc[sp] - fc[s]
+                        # B: x_{sp-1} persistent
+                        top = self._shift(self.P[sp, t, f], need(md.wx[sp - 1]))
+                        for kf in (0, 1):
+                            low = self._shift(self.P[s, sp - 1, kf], need(md.grad[sp] - md.grad[t + 1]))
+                            cands.append((self._cap(top + low + fcost, req), (1, sp, kf)))
+                        # C: x_{sp-1} dropped once stages t..kp are done
+                        if self.persistent_only:
+                            continue
+                        for kp in range(sp + 1, t + 1):
+                            for e in (0, 1):
+                                top = self.N[sp, t, kp, f, e]
+                                low = self._shift(self.P[s, kp - 1, e], need(md.grad[kp] - md.grad[t + 1]))
+                                cands.append((self._cap(top + low + fcost, req), (2, sp, kp, e)))
+                    self._store(self.P, self.PC, (s, t, f), cands)
+                if self.persistent_only:
+                    continue
+                for k in range(s + 1, t + 1):
+                    for f in (0, 1):
+                        held = int(md.wx[t]) if f else 0
+                        for e in (0, 1):
+                            cands = []
+                            for sp in range(s + 1, k + 1):
+                                fcost = fc[sp] - fc[s]
+                                # N1: x_{s-1} dropped in this sweep
+                                req = need(self.chain_in[s, sp - 1] + held)
+                                if sp == k:
+                                    top = self._shift(self.P[sp, t, f], need(md.wx[sp - 1]))
+                                else:
+                                    top = self.N[sp, t, k, f, e]
+                                cands.append((self._cap(top + fcost, req), (1, sp)))
+                            for sp in range(s + 1, t + 1):
+                                fcost = fc[sp] - fc[s]
+                                req = need(self.chain_pk[s, sp - 1] + int(md.wx[s - 1]) + held)
+                                bottom = need(md.wx[s - 1])
+                                # N2, x_{sp-1} persistent
+                                if sp - 1 >= k:
+                                    top = self._shift(self.P[sp, t, f], bottom + need(md.wx[sp - 1]))
+                                    for kf in (0, 1):
+                                        low = self._shift(self.N[s, sp - 1, k, kf, e],
+                                                          need(md.grad[sp] - md.grad[t + 1]))
+                                        cands.append((self._cap(top + low + fcost, req), (2, sp, kf)))
+                                # N2, x_{sp-1} dropped too
+                                for kp in range(sp + 1, t + 1):
+                                    if kp - 1 < k:
+                                        break
+                                    for e2 in (0, 1):
+                                        top = self._shift(self.N[sp, t, kp, f, e2], bottom)
+                                        low = self._shift(self.N[s, kp - 1, k, e2, e],
+                                                          need(md.grad[kp] - md.grad[t + 1]))
+                                        cands.append((self._cap(top + low + fcost, req), (3, sp, kp, e2)))
+                            self._store(self.N, self.NC, (s, t, k, f, e), cands)
+
+    def _store(self, table, choices, key, cands) -> None:
+        vals = np.stack([c[0] for c in cands])
+        j = np.argmin(vals, axis=0)
+        table[key] = vals[j, np.arange(vals.shape[1])]
+        choices[key] = ([c[1] for c in cands], j)
+
+    def cost(self, m: int) -> float:
+        L = len(self.model.stages)
+        return float(self.P[0, L - 1, 0][m])
+
+    def emit(self, m: int) -> list:
+        """The op sequence of the table's choice with ``m`` slots at the top level."""
+        md = self.model
+        st = md.stages
+        L = len(st)
+        need = self.need
+        seq: list = []
+        stack: list = [("P", (0, L - 1, 0), m)]
+
+        def fwd(a, b):
+            for i in range(a, b):
+                seq.extend(st[i].forward)
+
+        while stack:
+            kind, key, mm = stack.pop()
+            if kind == "ops":
+                seq.extend(key)
+                continue
+            mm = min(mm, self.slots)
+            if kind == "P":
+                s, t, f = key
+                codes, j = self.PC[key]
+                code = codes[j[mm]]
+                if code[0] == 0:
+                    if s == t:
+                        seq.extend(st[s].forward[:-1] if f else st[s].forward)
+                        seq.extend(st[s].backward)
+                    else:
+                        seq.extend(st[s].forward)
+                        stack.append(("ops", st[s].backward, 0))
+                        stack.append(("P", (s + 1, t, f), mm - need(md.xbar[s])))
+                elif code[0] == 1:
+                    _, sp, kf = code
+                    fwd(s, sp)
+                    stack.append(("P", (s, sp - 1, kf), mm - need(md.grad[sp] - md.grad[t + 1])))
+                    stack.append(("P", (sp, t, f), mm - need(md.wx[sp - 1])))
+                else:
+                    _, sp, kp, e = code
+                    fwd(s, sp)
+                    stack.append(("P", (s, kp - 1, e), mm - need(md.grad[kp] - md.grad[t + 1])))
+                    stack.append(("N", (sp, t, kp, f, e), mm))
+            else:
+                s, t, k, f, e = key
+                codes, j = self.NC[key]
+                code = codes[j[mm]]
+                if code[0] == 1:
+                    sp = code[1]
+                    fwd(s, sp)
+                    if sp == k:
+                        stack.append(("P", (sp, t, f), mm - need(md.wx[sp - 1])))
+                    else:
+                        stack.append(("N", (sp, t, k, f, e), mm))
+                elif code[0] == 2:
+                    _, sp, kf = code
+                    fwd(s, sp)
+                    stack.append(("N", (s, sp - 1, k, kf, e), mm - need(md.grad[sp] - md.grad[t + 1])))
+                    stack.append(("P", (sp, t, f), mm - need(md.wx[s - 1]) - need(md.wx[sp - 1])))
+                else:
+                    _, sp, kp, e2 = code
+                    fwd(s, sp)
+                    stack.append(("N", (s, kp - 1, k, e2, e), mm - need(md.grad[kp] - md.grad[t + 1])))
+                    stack.append(("N", (sp, t, kp, f, e2), mm - need(md.wx[s - 1])))
+        return seq
+
+
 def _drop_forced_repeats(graph: ComputeGraph, seq: list) -> list:
     forced = forced_keep(graph)
     if not forced:
@@ -330,6 +552,7 @@ def chain_dp(
     *,
     time_limit=None,
     slots: int | None = None,
+    nonpersistent: bool | None = None,
     **_,
 ) -> Schedule:
     """Optimal rotor-style checkpointing of the graph's stage chain.
@@ -339,12 +562,16 @@ def chain_dp(
     graph : ComputeGraph
     budget_bytes : int
     time_limit : float, optional
-        Unused (the program runs in O(S^3 x slots)).
+        Unused (the program runs in O(S^3 x slots), or O(S^5 x slots) non-persistent).
     slots : int, optional
         Memory resolution: the budget above the fixed bytes is cut into this many slots
         (one byte per slot when it has fewer bytes, which makes the program exact).
         Default: 400, fewer for long chains (about 10^7 / S^3 x 6, at least 32) so that
-        the program answers in about a second.
+        the program answers in about a second; 400 for the non-persistent program.
+    nonpersistent : bool, optional
+        Use the program with non-persistent checkpoints (default: when the chain has at
+        most :data:`FULL_PROGRAM_STAGES` stages); ``False`` gives the persistent rotor
+        family.
 
     Returns
     -------
@@ -375,15 +602,22 @@ def chain_dp(
     if avail <= 0:
         raise NoScheduleFound(f"chain_dp: the fixed bytes alone exceed the budget of {budget_bytes} B",
                               best_peak=graph.fixed_bytes)
-    if slots is None:
-        L = len(stages)
+    L = len(stages)
+    full = L <= FULL_PROGRAM_STAGES if nonpersistent is None else bool(nonpersistent)
+    if slots is None and full:
+        slots = 400
+    elif slots is None:
         slots = int(min(400, max(32, 6e6 / max(1, L**3 / 6 * 4))))
     unit = max(1, math.ceil(avail / max(1, int(slots))))
     top = avail // unit
     total = int(model.xbar.sum() + model.grad.max() + model.pb.max() + model.pa.max())
     span = max(top, min(total // unit + 1, top + top // 8))
-    prog = _Program(model, unit, span)
-    row = prog.cost[0, len(stages) - 1, 0, 1:]
+    if full:
+        prog = _FullProgram(model, unit, span)
+        row = prog.P[0, len(stages) - 1, 0]
+    else:
+        prog = _Program(model, unit, span)
+        row = prog.cost[0, len(stages) - 1, 0, 1:]
     finite = np.flatnonzero(np.isfinite(row))
     if finite.size == 0:
         raise NoScheduleFound(
