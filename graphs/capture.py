@@ -591,7 +591,6 @@ def _build(gm: torch.fx.GraphModule, storage: dict, *, name: str, shared: dict[s
             order.append(node.name)
             continue
         if node.op == "placeholder":
-            desc = node.meta.get("desc")
             cg.add_node(node.name, kind=_source_kind(node), phase=phase, op=_source_kind(node),
                         bytes=0 if node.name in shared else rec.bytes, name=_source_name(node),
                         alias_of=shared.get(node.name))

@@ -322,7 +322,7 @@ class ComputeGraph:
         lines.append(f"  store-all activations saved for backward: {_fmt_bytes(self.saved_bytes())}")
         biggest = sorted(self.ops, key=lambda n: -self[n]["bytes"])[:top]
         if biggest:
-            lines.append(f"  biggest tensors:")
+            lines.append("  biggest tensors:")
             for n in biggest:
                 d = self[n]
                 lines.append(f"    {str(n):<24} {d['phase']:<9} {d['op']:<36} {_fmt_bytes(d['bytes'])}")

@@ -12,10 +12,10 @@ import logging
 import math
 import time
 from dataclasses import dataclass
-from typing import Callable, Hashable
+from typing import Callable
 
 from graphs import ComputeGraph
-from solver.errors import InfeasibleBudget, NoScheduleFound, SolverError
+from solver.errors import InfeasibleBudget, SolverError
 from solver.feasibility import peak_lower_bound
 from solver.schedule import Schedule
 from solver.simulate import simulate
@@ -76,7 +76,7 @@ def register(
 
 def _load_all() -> None:
     # importing the method modules fills the registry
-    import solver.methods  # noqa: F401
+    import solver.methods  # noqa: F401  (registers every method)
 
 
 def methods() -> dict[str, MethodInfo]:

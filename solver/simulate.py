@@ -32,7 +32,7 @@ from typing import Hashable, Sequence
 import numpy as np
 
 from graphs import ComputeGraph
-from solver.schedule import Offload, Schedule
+from solver.schedule import Schedule
 
 __all__ = ["SimulationResult", "simulate"]
 

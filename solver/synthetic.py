@@ -10,7 +10,7 @@ from typing import Sequence
 
 from graphs import ComputeGraph
 
-__all__ = ["chain", "training_chain", "random_dag", "random_training_graph"]
+__all__ = ["chain", "training_chain", "random_dag", "random_training_graph", "small_graph", "budget_between"]
 
 
 def chain(n: int, *, bytes: int | Sequence[int] = 1, time: float | Sequence[float] = 1.0) -> ComputeGraph:
@@ -143,3 +143,58 @@ def random_training_graph(
         for c in consumers[i]:
             g.add_edge(f"b{c}", f"b{i}")
     return g
+
+
+def small_graph(
+    kind: int, size: int, seed: int, *, outputs: bool = True, inputs: bool = True
+) -> ComputeGraph:
+    """A small random graph for exhaustive checks, with the awkward features turned on.
+
+    ``kind`` 0: :func:`random_dag`; 1: :func:`random_training_graph`; 2: a heterogeneous
+    :func:`training_chain`. Some ops get a workspace, some are not recomputable, some
+    (``outputs``) are step outputs, and sometimes (``inputs``) a source input feeds the
+    first op.
+
+    Examples
+    --------
+    >>> g = small_graph(2, 7, seed=3)
+    >>> len(g.ops) >= 3
+    True
+    """
+    rng = random.Random(seed)
+    if kind == 0:
+        g = random_dag(size, seed=seed)
+    elif kind == 1:
+        g = random_training_graph(max(1, size // 2), seed=seed)
+    else:
+        n = max(1, (size - 1) // 2)
+        g = training_chain(n, fwd_bytes=[rng.randint(1, 9) for _ in range(n)],
+                           fwd_time=[float(rng.randint(1, 5)) for _ in range(n)])
+    for v in g.ops:
+        if rng.random() < 0.15:
+            g[v]["workspace"] = rng.randint(1, 4)
+        if rng.random() < 0.1:
+            g[v]["recomputable"] = False
+        if outputs and rng.random() < 0.1:
+            g[v]["output"] = True
+    if inputs and rng.random() < 0.3:
+        g.add_node("x", kind="input", bytes=rng.randint(1, 5))
+        g.add_edge("x", g.ops[0])
+    return g
+
+
+def budget_between(graph: ComputeGraph, fraction: float) -> int:
+    """A budget ``fraction`` of the way from the peak lower bound to the store-all peak.
+
+    Examples
+    --------
+    >>> g = training_chain(3, fwd_bytes=4)
+    >>> budget_between(g, 0.0) <= budget_between(g, 1.0)
+    True
+    """
+    from solver.feasibility import peak_lower_bound
+    from solver.simulate import simulate
+
+    lo = peak_lower_bound(graph)[0]
+    hi = simulate(graph, graph.order).peak_bytes
+    return int(lo + fraction * (hi - lo))

@@ -18,7 +18,6 @@ from typing import Iterator
 import numpy as np
 
 from graphs import ComputeGraph
-from solver.errors import NoScheduleFound
 from solver.plans import (
     cheapest_fitting,
     forward_stages,

@@ -34,7 +34,6 @@ from __future__ import annotations
 import logging
 import math
 import time
-from fractions import Fraction
 from typing import Hashable, Sequence
 
 from graphs import ComputeGraph

@@ -178,7 +178,6 @@ def _build(graph: ComputeGraph, budget: int, backend: str, *, relax: bool) -> _M
     scale = 1.0 / max(budget, 1)
     cap = (budget - fixed) * scale
     m = _Model(solver, n, ops, size=size, pred=pred, scale=scale)
-    inf = solver.infinity()
 
     def binary(name: str):
         return solver.NumVar(0, 1, name) if relax else solver.BoolVar(name)

@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import itertools
-import random
 
 import pytest
 from hypothesis import given, settings, strategies as st
@@ -12,31 +11,7 @@ from graphs import ComputeGraph
 from solver import InfeasibleBudget, NoScheduleFound, SolverError, simulate
 from solver.feasibility import peak_lower_bound
 from solver.methods.bruteforce import brute_force, brute_force_fixed, brute_force_min_peak
-from solver.synthetic import random_dag, random_training_graph, training_chain
-
-
-def small_graph(kind: int, size: int, seed: int) -> ComputeGraph:
-    rng = random.Random(seed)
-    if kind == 0:
-        g = random_dag(size, seed=seed)
-    elif kind == 1:
-        g = random_training_graph(max(1, size // 2), seed=seed)
-    else:
-        n = max(1, (size - 1) // 2)
-        g = training_chain(n, fwd_bytes=[rng.randint(1, 9) for _ in range(n)],
-                           fwd_time=[float(rng.randint(1, 5)) for _ in range(n)])
-    for v in g.ops:
-        if rng.random() < 0.15:
-            g[v]["workspace"] = rng.randint(1, 4)
-        if rng.random() < 0.1:
-            g[v]["recomputable"] = False
-    return g
-
-
-def budget_between(g: ComputeGraph, frac: float) -> int:
-    lo = peak_lower_bound(g)[0]
-    hi = simulate(g, g.order).peak_bytes
-    return int(lo + frac * (hi - lo))
+from solver.synthetic import budget_between, random_dag, small_graph, training_chain
 
 
 def stage_sequences(g: ComputeGraph):
@@ -63,7 +38,7 @@ def best_of(g, seqs, budget):
 @settings(max_examples=40, deadline=None)
 @given(kind=st.integers(0, 2), size=st.integers(2, 5), seed=st.integers(0, 10_000), frac=st.floats(0, 1))
 def test_fixed_matches_enumeration_of_the_stage_space(kind, size, seed, frac):
-    g = small_graph(kind, size, seed)
+    g = small_graph(kind, size, seed, outputs=False, inputs=False)
     budget = budget_between(g, frac)
     expected = best_of(g, stage_sequences(g), budget)
     if expected is None:
@@ -79,7 +54,7 @@ def test_fixed_matches_enumeration_of_the_stage_space(kind, size, seed, frac):
 @settings(max_examples=25, deadline=None)
 @given(kind=st.integers(0, 2), size=st.integers(2, 4), seed=st.integers(0, 10_000), frac=st.floats(0, 1))
 def test_free_order_matches_enumeration_of_short_sequences(kind, size, seed, frac):
-    g = small_graph(kind, size, seed)
+    g = small_graph(kind, size, seed, outputs=False, inputs=False)
     budget = budget_between(g, frac)
     ops = g.order
     extra = 2
@@ -103,7 +78,7 @@ def test_free_order_matches_enumeration_of_short_sequences(kind, size, seed, fra
 @settings(max_examples=30, deadline=None)
 @given(kind=st.integers(0, 2), size=st.integers(2, 8), seed=st.integers(0, 10_000), frac=st.floats(0, 1))
 def test_free_order_is_never_worse_than_fixed(kind, size, seed, frac):
-    g = small_graph(kind, size, seed)
+    g = small_graph(kind, size, seed, outputs=False, inputs=False)
     budget = budget_between(g, frac)
     try:
         fixed = brute_force_fixed(g, budget)
@@ -116,7 +91,7 @@ def test_free_order_is_never_worse_than_fixed(kind, size, seed, frac):
 @settings(max_examples=25, deadline=None)
 @given(kind=st.integers(0, 2), size=st.integers(2, 7), seed=st.integers(0, 10_000))
 def test_min_peak_is_reached_and_nothing_fits_below_it(kind, size, seed):
-    g = small_graph(kind, size, seed)
+    g = small_graph(kind, size, seed, outputs=False, inputs=False)
     for fixed in (False, True):
         peak, seq = brute_force_min_peak(g, fixed_order=fixed)
         r = simulate(g, seq)

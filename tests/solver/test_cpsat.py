@@ -2,49 +2,21 @@
 
 from __future__ import annotations
 
-import random
 
 import pytest
 from hypothesis import given, settings, strategies as st
 
-from graphs import ComputeGraph
 from solver import NoScheduleFound, simulate, solve
 from solver.feasibility import peak_lower_bound
 from solver.methods.bruteforce import brute_force_fixed
 from solver.methods.cpsat import cpsat
-from solver.synthetic import random_dag, random_training_graph, training_chain
-
-
-def small_graph(kind: int, size: int, seed: int) -> ComputeGraph:
-    rng = random.Random(seed)
-    if kind == 0:
-        g = random_dag(size, seed=seed)
-    elif kind == 1:
-        g = random_training_graph(max(1, size // 2), seed=seed)
-    else:
-        n = max(1, (size - 1) // 2)
-        g = training_chain(n, fwd_bytes=[rng.randint(1, 9) for _ in range(n)],
-                           fwd_time=[float(rng.randint(1, 5)) for _ in range(n)])
-    for v in g.ops:
-        if rng.random() < 0.15:
-            g[v]["workspace"] = rng.randint(1, 4)
-        if rng.random() < 0.1:
-            g[v]["recomputable"] = False
-        if rng.random() < 0.1:
-            g[v]["output"] = True
-    return g
-
-
-def budget_between(g: ComputeGraph, frac: float) -> int:
-    lo = peak_lower_bound(g)[0]
-    hi = simulate(g, g.order).peak_bytes
-    return int(lo + frac * (hi - lo))
+from solver.synthetic import budget_between, small_graph, training_chain
 
 
 @settings(max_examples=40, deadline=None)
 @given(kind=st.integers(0, 2), size=st.integers(2, 8), seed=st.integers(0, 10_000), frac=st.floats(0, 1))
 def test_cpsat_equals_brute_force_of_the_stage_space(kind, size, seed, frac):
-    g = small_graph(kind, size, seed)
+    g = small_graph(kind, size, seed, inputs=False)
     budget = budget_between(g, frac)
     try:
         expected = brute_force_fixed(g, budget)
@@ -62,7 +34,7 @@ def test_cpsat_equals_brute_force_of_the_stage_space(kind, size, seed, frac):
 @settings(max_examples=15, deadline=None)
 @given(kind=st.integers(0, 2), size=st.integers(4, 8), seed=st.integers(0, 10_000), frac=st.floats(0, 1))
 def test_copy_limits_only_restrict_and_auto_growth_stays_valid(kind, size, seed, frac):
-    g = small_graph(kind, size, seed)
+    g = small_graph(kind, size, seed, inputs=False)
     budget = budget_between(g, frac)
     try:
         full = cpsat(g, budget, copies=None)

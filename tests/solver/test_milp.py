@@ -7,41 +7,11 @@ import random
 import pytest
 from hypothesis import given, settings, strategies as st
 
-from graphs import ComputeGraph
 from solver import NoScheduleFound, simulate, solve
 from solver.feasibility import peak_lower_bound
 from solver.methods.bruteforce import brute_force_fixed
 from solver.methods.milp import checkmate_milp, lower_bound, lp_lower_bound, stage_form
-from solver.synthetic import random_dag, random_training_graph, training_chain
-
-
-def small_graph(kind: int, size: int, seed: int) -> ComputeGraph:
-    rng = random.Random(seed)
-    if kind == 0:
-        g = random_dag(size, seed=seed)
-    elif kind == 1:
-        g = random_training_graph(max(1, size // 2), seed=seed)
-    else:
-        n = max(1, (size - 1) // 2)
-        g = training_chain(n, fwd_bytes=[rng.randint(1, 9) for _ in range(n)],
-                           fwd_time=[float(rng.randint(1, 5)) for _ in range(n)])
-    for v in g.ops:
-        if rng.random() < 0.15:
-            g[v]["workspace"] = rng.randint(1, 4)
-        if rng.random() < 0.1:
-            g[v]["recomputable"] = False
-        if rng.random() < 0.1:
-            g[v]["output"] = True
-    if rng.random() < 0.3:
-        g.add_node("x", kind="input", bytes=rng.randint(1, 5))
-        g.add_edge("x", g.ops[0])
-    return g
-
-
-def budget_between(g: ComputeGraph, frac: float) -> int:
-    lo = peak_lower_bound(g)[0]
-    hi = simulate(g, g.order).peak_bytes
-    return int(lo + frac * (hi - lo))
+from solver.synthetic import budget_between, random_training_graph, small_graph, training_chain
 
 
 @settings(max_examples=40, deadline=None)

@@ -1,0 +1,284 @@
+"""Side by side on real models: remat against PyTorch's own ways of saving memory.
+
+For a GPT-style model (8 layers, d=256, seq 256, batch 8), a ResNet-style CNN and a
+U-Net-style model, at budgets of 70 %, 50 % and 30 % of the store-all peak, every variant
+is run in a fresh process and measured:
+
+* peak: bytes of parameters, buffers and inputs (before the step) plus the growth of the
+  process's peak resident memory during one step (``VmHWM`` reset through
+  ``/proc/self/clear_refs``, with glibc's mmap threshold fixed at 64 KiB so that freed
+  tensors leave resident memory); this covers compiled code too. Eager variants also
+  report the live-tensor tracker (``graphs.memory.MemoryTracker``).
+* step time: process CPU time of forward+backward with one thread, median of 5 steps
+  after 2 warm-ups, relative to the plain model measured the same way.
+* planning time: capture + solve (remat) or compile (torch.compile).
+
+Variants: ``eager`` (no checkpointing); ``ckpt_blocks`` (non-reentrant
+``torch.utils.checkpoint`` on every block) eager and under ``torch.compile``;
+``ckpt_sequential`` (``checkpoint_sequential`` with sqrt(L) segments, where the model is
+a sequence of blocks); ``compile_budget`` (``torch.compile`` with
+``torch._functorch.config.activation_memory_budget`` set to the budget's fraction);
+``remat_graph``, ``remat_module`` and ``remat_graph_inductor``.
+
+Usage::
+
+    python benchmarks/models.py                 # everything (compiles take minutes each)
+    python benchmarks/models.py --quick         # no torch.compile variants
+    python benchmarks/models.py --models gpt --fractions 0.5
+
+Writes ``benchmarks/results/models.json`` and ``benchmarks/results/models.md``.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import math
+import os
+import statistics
+import subprocess
+import sys
+import time
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+sys.path.insert(0, ROOT)
+
+MODELS = {
+    "gpt": "gpt(n_layer=8, d=256, n_head=8, seq=256, batch=8)",
+    "resnet": "resnet(batch=16, width=32, size=64, blocks=4)",
+    "unet": "unet(batch=8, width=16, size=128, depth=3)",
+}
+VARIANTS = ["eager", "ckpt_blocks", "ckpt_blocks_compile", "ckpt_sequential", "compile_budget",
+            "remat_graph", "remat_module", "remat_graph_inductor"]
+COMPILED = {"ckpt_blocks_compile", "compile_budget", "remat_graph_inductor"}
+PER_BUDGET = {"compile_budget", "remat_graph", "remat_module", "remat_graph_inductor"}
+
+
+# ----------------------------------------------------------------------------- one run
+def _rss_hwm() -> tuple[int, int]:
+    rss = hwm = 0
+    with open("/proc/self/status") as f:
+        for line in f:
+            if line.startswith("VmRSS:"):
+                rss = int(line.split()[1]) * 1024
+            elif line.startswith("VmHWM:"):
+                hwm = int(line.split()[1]) * 1024
+    return rss, hwm
+
+
+def _reset_hwm() -> None:
+    with open("/proc/self/clear_refs", "w") as f:
+        f.write("5")
+
+
+def _blocks(name, model):
+    if name == "gpt":
+        return list(model.blocks)
+    if name == "resnet":
+        return list(model.layers)
+    return list(model.down) + [model.mid] + list(model.up)
+
+
+def _wrap_checkpoint(blocks):
+    import functools
+
+    from torch.utils.checkpoint import checkpoint
+
+    for b in blocks:
+        b.forward = functools.partial(checkpoint, b.forward, use_reentrant=False)
+
+
+def _sequential(name, model):
+    import math as _m
+
+    import torch
+    from torch.utils.checkpoint import checkpoint_sequential
+
+    class Seq(torch.nn.Module):
+        def __init__(self, blocks):
+            super().__init__()
+            self.seq = torch.nn.Sequential(*blocks)
+
+        def forward(self, x):
+            return checkpoint_sequential(self.seq, max(1, round(_m.sqrt(len(self.seq)))), x, use_reentrant=False)
+
+    if name == "gpt":
+        model.blocks = torch.nn.ModuleList([Seq(list(model.blocks))])
+        return True
+    if name == "resnet":
+        model.layers = Seq(list(model.layers))
+        return True
+    return False  # the U-Net's long skips make it no sequence of blocks
+
+
+def run_one(model_name: str, variant: str, fraction: float | None, store_all: int | None) -> dict:
+    import torch
+
+    torch.set_num_threads(1)
+    from examples import models as zoo  # noqa: F401  (used by eval)
+    from graphs.memory import MemoryTracker
+    from graphs.units import GiB
+
+    model, inputs = eval(f"zoo.{MODELS[model_name]}")
+    out: dict = {"model": model_name, "variant": variant, "fraction": fraction}
+    t0 = time.perf_counter()
+    step_model = model
+    if variant == "eager":
+        pass
+    elif variant in ("ckpt_blocks", "ckpt_blocks_compile"):
+        _wrap_checkpoint(_blocks(model_name, model))
+        if variant == "ckpt_blocks_compile":
+            step_model = torch.compile(model)
+    elif variant == "ckpt_sequential":
+        if not _sequential(model_name, model):
+            return {**out, "status": "n/a"}
+    elif variant == "compile_budget":
+        torch._functorch.config.activation_memory_budget = fraction
+        step_model = torch.compile(model)
+    elif variant.startswith("remat"):
+        import solver
+
+        mode = "module" if variant == "remat_module" else "graph"
+        compiler = "inductor" if variant == "remat_graph_inductor" else "eager"
+        try:
+            step_model = solver.optimize(model, fraction * store_all / GiB, inputs, mode=mode, compiler=compiler)
+        except solver.InfeasibleBudget as exc:
+            return {**out, "status": "infeasible", "smallest_feasible": exc.smallest_feasible_bytes}
+        rep = step_model.report
+        out.update(predicted_peak=rep.predicted_peak_bytes, predicted_overhead=rep.predicted_overhead,
+                   method=rep.method, budget=rep.budget_bytes)
+
+    from graphs.capture import default_loss
+
+    def step():
+        loss = default_loss(step_model(*inputs))
+        loss.backward()
+        for p in model.parameters():
+            p.grad = None
+
+    step()  # compiles / plans lazily where needed
+    out["planning_s"] = time.perf_counter() - t0
+    step()
+    times = []
+    for _ in range(5):
+        c0 = time.process_time()
+        step()
+        times.append(time.process_time() - c0)
+    out["step_cpu_s"] = statistics.median(times)
+    # memory: baseline tensors + growth of the resident peak during one step
+    with MemoryTracker(model, inputs) as tracker:
+        pass
+    baseline = tracker.baseline_bytes
+    rss0, _ = _rss_hwm()
+    _reset_hwm()
+    loss = default_loss(step_model(*inputs))
+    loss.backward()
+    del loss
+    _, hwm = _rss_hwm()
+    for p in model.parameters():
+        p.grad = None
+    out["peak"] = baseline + max(0, hwm - rss0)
+    if variant not in COMPILED:
+        with MemoryTracker(model, inputs) as tracker:
+            default_loss(step_model(*inputs)).backward()
+        out["tracker_peak"] = tracker.peak_bytes
+        for p in model.parameters():
+            p.grad = None
+    out["status"] = "ok"
+    return out
+
+
+def store_all_peak(model_name: str) -> int:
+    import torch
+
+    torch.set_num_threads(1)
+    from examples import models as zoo  # noqa: F401  (used by eval)
+    from graphs.capture import capture
+    from solver import simulate
+
+    model, inputs = eval(f"zoo.{MODELS[model_name]}")
+    cg = capture(model, inputs, backward="outputs", measure_time=False)
+    return simulate(cg, cg.order).peak_bytes
+
+
+# ----------------------------------------------------------------------------- driver
+def _child(model_name, variant, fraction, store_all, timeout) -> dict:
+    env = dict(os.environ, MALLOC_MMAP_THRESHOLD_="65536", OMP_NUM_THREADS="1")
+    cmd = [sys.executable, __file__, "--one", model_name, variant, str(fraction), str(store_all)]
+    try:
+        res = subprocess.run(cmd, capture_output=True, text=True, timeout=timeout, env=env, cwd=ROOT)
+    except subprocess.TimeoutExpired:
+        return {"model": model_name, "variant": variant, "fraction": fraction, "status": "timeout"}
+    for line in reversed(res.stdout.splitlines()):
+        if line.startswith("{"):
+            return json.loads(line)
+    err = (res.stderr.strip().splitlines() or ["no output"])[-1]
+    return {"model": model_name, "variant": variant, "fraction": fraction, "status": "error", "error": err[:200]}
+
+
+def _fmt(rows: list[dict], store: dict) -> str:
+    lines = ["| model | budget | variant | peak MiB | fits | step time vs eager | predicted | planning s |",
+             "|---|---|---|---|---|---|---|---|"]
+    eager = {r["model"]: r for r in rows if r["variant"] == "eager" and r.get("status") == "ok"}
+    for r in rows:
+        base = eager.get(r["model"])
+        frac = r.get("fraction")
+        budget = None if frac is None else frac * store[r["model"]]
+        if r.get("status") != "ok":
+            note = r.get("status")
+            if note == "infeasible":
+                note += f" (smallest {r['smallest_feasible'] / 2**20:.1f} MiB)"
+            lines.append(f"| {r['model']} | {'-' if frac is None else f'{frac:.0%}'} | {r['variant']} | {note} | | | | |")
+            continue
+        fits = "-" if budget is None else ("yes" if r["peak"] <= budget else "no")
+        rel = r["step_cpu_s"] / base["step_cpu_s"] if base else math.nan
+        pred = ""
+        if "predicted_peak" in r:
+            pred = f"{r['predicted_peak'] / 2**20:.1f} MiB, {1 + r['predicted_overhead']:.2f}x"
+        lines.append(
+            f"| {r['model']} | {'-' if frac is None else f'{frac:.0%}'} | {r['variant']} | {r['peak'] / 2**20:.1f}"
+            + (f" (tracker {r['tracker_peak'] / 2**20:.1f})" if "tracker_peak" in r else "")
+            + f" | {fits} | {rel:.2f}x | {pred} | {r['planning_s']:.1f} |"
+        )
+    return "\n".join(lines)
+
+
+def main(argv=None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--one", nargs=4, metavar=("MODEL", "VARIANT", "FRACTION", "STORE_ALL"), help=argparse.SUPPRESS)
+    ap.add_argument("--models", default=",".join(MODELS))
+    ap.add_argument("--fractions", default="0.7,0.5,0.3")
+    ap.add_argument("--variants", default=",".join(VARIANTS))
+    ap.add_argument("--quick", action="store_true", help="skip the torch.compile variants")
+    ap.add_argument("--timeout", type=float, default=900, help="seconds per variant")
+    ap.add_argument("--out", default=os.path.join(ROOT, "benchmarks", "results", "models"))
+    args = ap.parse_args(argv)
+    if args.one:
+        m, v, f, s = args.one
+        print(json.dumps(run_one(m, v, None if f == "None" else float(f), int(s))))
+        return 0
+    variants = [v for v in args.variants.split(",") if not (args.quick and v in COMPILED)]
+    fractions = [float(x) for x in args.fractions.split(",")]
+    rows, store = [], {}
+    for m in args.models.split(","):
+        store[m] = store_all_peak(m)
+        print(f"{m}: store-all peak {store[m] / 2**20:.1f} MiB", flush=True)
+        for v in variants:
+            for f in (fractions if v in PER_BUDGET else [None]):
+                r = _child(m, v, f, store[m], args.timeout)
+                rows.append(r)
+                print(f"  {v:<22} {'' if f is None else f'{f:.0%}':>4} {r.get('status')}"
+                      + (f"  peak {r['peak'] / 2**20:.1f} MiB  step {r['step_cpu_s'] * 1e3:.0f} ms"
+                         f"  plan {r['planning_s']:.1f} s" if r.get("status") == "ok" else ""), flush=True)
+    os.makedirs(os.path.dirname(args.out), exist_ok=True)
+    with open(args.out + ".json", "w") as fh:
+        json.dump({"store_all_peak": store, "rows": rows}, fh, indent=1)
+    table = _fmt(rows, store)
+    with open(args.out + ".md", "w") as fh:
+        fh.write(table + "\n")
+    print(table)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
