@@ -608,6 +608,7 @@ def _build(gm: torch.fx.GraphModule, storage: dict, *, name: str, shared: dict[s
             alias_of=rec.base if rec.alias else None,
             source=costs.source_line(node),
             module=_module_path(node),
+            autograd_node=node.meta.get("seq_nr"),
         )
         order.append(node.name)
         for u in node.all_input_nodes:

@@ -25,6 +25,9 @@ the training step (a parameter, a buffer, an input, or the output of one op); an
     computes them once and keeps them until their last use.
 ``workspace``
     extra bytes the op needs while it runs (default 0).
+``module``, ``autograd_node``
+    set by capture: the module path that ran the op, and the autograd node (sequence
+    number) it belongs to.
 ``group``, ``group_index``, ``run_workspace``
     set on the outputs of a multi-output op (its projections): computing one runs the
     whole op; projections that follow each other in ``group_index`` order are one run,

@@ -39,7 +39,7 @@ from torch.utils.checkpoint import checkpoint
 
 from graphs.errors import RematError
 
-__all__ = ["LAYER_ACTIONS", "apply_module_plan", "selective_policy", "ModulePlanError"]
+__all__ = ["LAYER_ACTIONS", "apply_module_plan", "layer_blocks", "selective_policy", "ModulePlanError"]
 
 LAYER_ACTIONS = ("none", "selective", "full", "offload")
 
@@ -48,6 +48,26 @@ _state = threading.local()
 
 class ModulePlanError(RematError, ValueError):
     """A module plan that names unknown submodules or actions."""
+
+
+def layer_blocks(model: nn.Module) -> list[str]:
+    """Module paths of a model's layers: the children of its longest ``ModuleList`` or
+    ``Sequential`` (a transformer's decoder layers, a CNN's stages), else its top-level
+    children.
+
+    Examples
+    --------
+    >>> net = nn.Sequential(nn.Linear(2, 2), nn.ReLU(), nn.Linear(2, 1))
+    >>> layer_blocks(net)
+    ['0', '1', '2']
+    """
+    best: list[str] = []
+    for name, mod in model.named_modules():
+        if isinstance(mod, (nn.ModuleList, nn.Sequential)) and len(mod) >= 2:
+            kids = [f"{name}.{k}" if name else k for k, _ in mod.named_children()]
+            if len(kids) > len(best):
+                best = kids
+    return best or [k for k, _ in model.named_children()]
 
 
 def _active_plan() -> Mapping[str, str] | None:

@@ -269,11 +269,19 @@ def _derivable(node: fx.Node, env: dict[str, fx.Node]) -> bool:
     return all(w.name in env or (_is_view(w) and _derivable(w, env)) for w in node.all_input_nodes)
 
 
+# ops whose output shares its input's storage although their schema does not say so
+_UNDECLARED_VIEWS = ("_unsafe_view", "_reshape_alias", "alias")
+
+
 def _is_view(node: fx.Node) -> bool:
     """An op whose output aliases an input (a view, ``detach``...): free to run again."""
     target = node.target
+    if node.op == "call_function" and target is operator.getitem and isinstance(node.args[0], fx.Node):
+        return _is_view(node.args[0])  # a piece of split / unbind / chunk
     if node.op != "call_function" or not isinstance(target, torch._ops.OpOverload):
         return False
+    if target.overloadpacket.__name__ in _UNDECLARED_VIEWS:
+        return True
     returns = target._schema.returns
     return bool(returns) and all(
         r.alias_info is not None and not r.alias_info.is_write for r in returns

@@ -2,6 +2,10 @@
 
 ``remat methods``
     list the solver methods.
+``remat estimate MODEL --gpu-gb G``
+    will one training step fit: no remat, every layer checkpointed, the best policy.
+``remat plan MODEL --gpu-gb G [--format hf|megatron|deepspeed|torchtitan|sac|json]``
+    the per-layer policy (none / selective / full / offload), and its export.
 ``remat solve GRAPH.json --budget B``
     any method on a saved or benchmark graph; prints the schedule and its decisions.
 ``remat sweep GRAPH.json``
@@ -13,6 +17,14 @@
 Budgets are bytes (``1.5e9``), units (``800MiB``, ``2GB``) or a fraction of the
 store-all peak (``0.8x``). ``--json`` prints machine-readable output; errors are one line
 on stderr and a non-zero exit status.
+
+MODEL is an HF config name shipped with transformers (``gpt2``, ``llama``, ``mistral``...;
+built from the config class defaults, nothing is downloaded) with overrides such as
+``--layers 32 --hidden 4096 --heads 32 --kv-heads 8 --ffn 14336 --vocab 128256 --seq 4096
+--micro-batch 1 --dtype bf16``, planned with the analytic model (``--captured`` builds the
+model on the meta device and plans on its captured step instead); or
+``path/to/file.py:factory``, a function returning a model or ``(model, example_inputs)``,
+planned on its captured training step.
 """
 
 from __future__ import annotations
@@ -95,6 +107,161 @@ def _store_all_peak(graph) -> int:
     from solver.simulate import simulate
 
     return simulate(graph, graph.order).peak_bytes
+
+
+_OVERRIDES = {"layers": "num_layers", "hidden": "hidden_size", "heads": "num_heads", "kv_heads": "num_kv_heads",
+              "ffn": "ffn_size", "vocab": "vocab_size"}
+_HF_OVERRIDES = {"layers": ("num_hidden_layers", "n_layer", "num_layers"),
+                 "hidden": ("hidden_size", "n_embd", "d_model"),
+                 "heads": ("num_attention_heads", "n_head"),
+                 "kv_heads": ("num_key_value_heads",),
+                 "ffn": ("intermediate_size", "n_inner", "ffn_dim"),
+                 "vocab": ("vocab_size",)}
+
+
+def _hf_config(name: str, args):
+    try:
+        from transformers import AutoConfig
+    except ImportError:
+        raise CLIError("model names need transformers: pip install transformers") from None
+    try:
+        conf = AutoConfig.for_model(name)
+    except (ValueError, KeyError):
+        raise CLIError(f"unknown model {name!r}: use an HF config name shipped with transformers (gpt2, llama, "
+                       "mistral, ...) or path/to/file.py:factory") from None
+    for opt, attrs in _HF_OVERRIDES.items():
+        val = getattr(args, opt, None)
+        if val is None:
+            continue
+        hit = [a for a in attrs if hasattr(conf, a)]
+        for a in hit or attrs[:1]:
+            setattr(conf, a, int(val))
+    if args.seq is not None:
+        for a in ("max_position_embeddings", "n_positions"):
+            if hasattr(conf, a) and (getattr(conf, a) or 0) < args.seq:
+                setattr(conf, a, int(args.seq))
+    conf.use_cache = False
+    return conf
+
+
+def _load_factory(spec: str):
+    import importlib.util
+    import os
+
+    path, _, fn_name = spec.rpartition(":")
+    if not os.path.isfile(path):
+        raise CLIError(f"no such file: {path}")
+    mod_spec = importlib.util.spec_from_file_location(f"_remat_user_{abs(hash(path))}", path)
+    module = importlib.util.module_from_spec(mod_spec)
+    try:
+        mod_spec.loader.exec_module(module)
+    except Exception as exc:
+        raise CLIError(f"cannot import {path}: {type(exc).__name__}: {exc}") from None
+    fn = getattr(module, fn_name, None)
+    if not callable(fn):
+        raise CLIError(f"{path} has no function {fn_name!r}")
+    got = fn()
+    if isinstance(got, tuple) and len(got) == 2:
+        return got
+    return got, None
+
+
+def _model_target(args) -> tuple:
+    """(model_or_config, keyword arguments for policy/estimate)."""
+    kw: dict = {"optimizer": args.optimizer}
+    if args.hardware:
+        kw["hardware"] = args.hardware
+    if ":" in args.model and (args.model.split(":")[0].endswith(".py") or "/" in args.model):
+        bar = Progress(1, "capture", enabled=not args.json)
+        model, inputs = _load_factory(args.model)
+        if inputs is None:
+            kw.update(seq_len=args.seq, micro_batch=args.micro_batch)
+        else:
+            kw["example_inputs"] = inputs
+        kw["_progress"] = bar
+        return model, kw
+    conf = _hf_config(args.model, args)
+    if args.captured:
+        import torch
+        from transformers import AutoModelForCausalLM
+
+        dtype = {"bf16": torch.bfloat16, "fp16": torch.float16, "fp32": torch.float32, None: torch.float32}.get(args.dtype)
+        if dtype is None:
+            raise CLIError(f"--dtype {args.dtype!r}: use bf16, fp16 or fp32")
+        with torch.device("meta"):
+            model = AutoModelForCausalLM.from_config(conf, torch_dtype=dtype)
+        model.train()
+        kw.update(seq_len=args.seq or 1024, micro_batch=args.micro_batch or 1)
+        kw["_progress"] = Progress(1, "capture", enabled=not args.json)
+        return model, kw
+    from solver.analytic import as_config
+
+    cfg = as_config(conf, seq_len=args.seq, micro_batch=args.micro_batch, dtype=args.dtype)
+    over = {f: getattr(args, o) for o, f in _OVERRIDES.items() if getattr(args, o, None) is not None}
+    if over:
+        cfg = cfg.replace(**over)
+    kw.update(tensor_parallel=args.tp if args.tp != 1 else None, pipeline_parallel=args.pp)
+    return cfg, kw
+
+
+def _gpu_gb(text: str) -> float:
+    try:
+        gb = float(str(text).lower().removesuffix("gib").removesuffix("gb"))
+    except ValueError:
+        raise CLIError(f"cannot read --gpu-gb {text!r}: give GiB of device memory, e.g. 80") from None
+    if not gb > 0:
+        raise CLIError(f"--gpu-gb must be positive, got {text!r}")
+    return gb
+
+
+def cmd_estimate(args) -> dict:
+    from solver.estimate import estimate
+
+    target, kw = _model_target(args)
+    bar = kw.pop("_progress", None)
+    est = estimate(target, _gpu_gb(args.gpu_gb), **kw)
+    if bar is not None:
+        bar.step("captured")
+    if not args.json:
+        print(est)
+    return est.to_dict()
+
+
+_EXPORTERS = {"hf": "to_hf", "megatron": "to_megatron", "deepspeed": "to_deepspeed", "torchtitan": "to_torchtitan",
+              "sac": "to_torch_sac"}
+
+
+def cmd_plan(args) -> dict:
+    from solver import exporters
+    from solver.policy import policy
+
+    target, kw = _model_target(args)
+    bar = kw.pop("_progress", None)
+    pol = policy(target, _gpu_gb(args.gpu_gb), **kw)
+    if bar is not None:
+        bar.step("planned")
+    out = {"policy": pol.to_dict()}
+    exp = None
+    if args.format and args.format != "json":
+        exp = getattr(exporters, _EXPORTERS[args.format])(pol)
+        cfg = exp.config
+        if args.format == "sac":
+            cfg = {k: v for k, v in cfg.items() if not callable(v)}
+        out["export"] = {"target": exp.target, "config": cfg, "warnings": list(exp.warnings),
+                         "expressed_peak_bytes": exp.expressed.peak_bytes, "fits": exp.fits}
+    if not args.json:
+        if args.format == "json":
+            print(json.dumps(out, indent=2, default=str))
+        else:
+            print(pol)
+            if exp is not None:
+                if args.format == "torchtitan" and "toml" in exp.config:
+                    print(exp.config["toml"])
+                else:
+                    print(json.dumps(out["export"]["config"], indent=2, default=str))
+                for w in exp.warnings:
+                    print(f"warning: {w}")
+    return out
 
 
 def cmd_methods(args) -> dict:
@@ -320,6 +487,32 @@ def _parser() -> argparse.ArgumentParser:
     sp.add_argument("--out", help="PNG file to write")
     sp.add_argument("--limit", type=int, default=60, help="rows in the text view")
     sp.set_defaults(fn=cmd_show)
+
+    def model_args(sp):
+        sp.add_argument("model", help="HF config name (gpt2, llama, ...) or path/to/file.py:factory")
+        sp.add_argument("--gpu-gb", required=True, help="device memory in GiB")
+        for opt in ("layers", "hidden", "heads", "kv-heads", "ffn", "vocab"):
+            sp.add_argument(f"--{opt}", type=int, default=None, help=f"override the config's {opt}")
+        sp.add_argument("--seq", type=int, default=None, help="sequence length")
+        sp.add_argument("--micro-batch", type=int, default=None, help="micro-batch size")
+        sp.add_argument("--dtype", default=None, help="bf16, fp16 or fp32")
+        sp.add_argument("--tp", type=int, default=1, help="tensor parallel size (config models)")
+        sp.add_argument("--pp", type=int, default=1, help="pipeline parallel size (config models)")
+        sp.add_argument("--optimizer", default="adam", help="adam, adamw, sgd, sgd_momentum or none")
+        sp.add_argument("--hardware", default=None, help="a graphs.hardware preset (enables offload)")
+        sp.add_argument("--captured", action="store_true",
+                        help="HF name: build the model on the meta device and plan on its captured step")
+        sp.add_argument("--json", action="store_true", help="print JSON for scripts")
+
+    sp = sub.add_parser("estimate", help="will a training step fit (no remat / full / best policy)")
+    model_args(sp)
+    sp.set_defaults(fn=cmd_estimate)
+
+    sp = sub.add_parser("plan", help="per-layer policy and its export for a trainer")
+    model_args(sp)
+    sp.add_argument("--format", choices=["hf", "megatron", "deepspeed", "torchtitan", "sac", "json"], default=None,
+                    help="export the policy for a trainer")
+    sp.set_defaults(fn=cmd_plan)
     return p
 
 
@@ -334,7 +527,7 @@ def main(argv: Sequence[str] | None = None) -> int:
 
     try:
         result = args.fn(args)
-    except (CLIError, RematError, ValueError, OSError) as exc:
+    except (CLIError, RematError, ValueError, OSError, ImportError, TypeError) as exc:
         msg = " ".join(str(exc).split())
         if getattr(args, "json", False):
             print(json.dumps({"error": msg, "type": type(exc).__name__}))

@@ -348,7 +348,7 @@ def to_deepspeed(policy: LayerPolicy) -> Export:
     layers = [i for i, a in enumerate(actions) if a == LayerAction.FULL]
     cpu = bool(c[LayerAction.OFFLOAD])
     block = {
-        "partition_activations": cpu or policy.config.tensor_parallel > 1,
+        "partition_activations": cpu or getattr(policy.config, "tensor_parallel", 1) > 1,
         "cpu_checkpointing": cpu,
         "contiguous_memory_optimization": False,
         "number_checkpoints": len(layers) or None,

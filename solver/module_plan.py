@@ -15,7 +15,7 @@ from __future__ import annotations
 import logging
 import time
 from dataclasses import dataclass, field
-from typing import Iterable, Mapping, Sequence
+from typing import Hashable, Iterable, Mapping, Sequence
 
 from graphs import ComputeGraph
 from solver.errors import InfeasibleBudget, NoScheduleFound
@@ -23,7 +23,8 @@ from solver.plans import sequence_from_keep
 from solver.schedule import Schedule
 from solver.simulate import simulate
 
-__all__ = ["ModulePlan", "plan_modules", "block_nodes", "keep_for_plan", "MATMUL_OPS"]
+__all__ = ["ModulePlan", "checkpoint_view", "plan_modules", "plan_schedule", "block_nodes", "keep_for_plan", "checkpoint_sequence",
+           "MATMUL_OPS", "ACTIONS"]
 
 log = logging.getLogger(__name__)
 
@@ -32,8 +33,8 @@ log = logging.getLogger(__name__)
 MATMUL_OPS = ("aten.mm", "aten.addmm", "aten.bmm", "aten.baddbmm", "aten.convolution.",
               "aten._scaled_dot_product", "aten.linear", "aten.matmul")
 
-ACTIONS = ("none", "selective", "full")
-_RANK = {a: i for i, a in enumerate(ACTIONS)}
+ACTIONS = ("none", "selective", "full", "offload")
+CHECKPOINTED = ("selective", "full")
 
 
 @dataclass
@@ -53,6 +54,7 @@ class ModulePlan:
     actions: dict[str, str]
     schedule: Schedule
     evaluations: int = 0
+    graph: ComputeGraph | None = None
     blocks: list[str] = field(default_factory=list)
 
     def table(self) -> str:
@@ -83,31 +85,134 @@ def block_nodes(graph: ComputeGraph, block: str) -> tuple[list, list]:
     return fwd, bwd
 
 
+def checkpoint_view(graph: ComputeGraph, blocks: Sequence[str]) -> ComputeGraph:
+    """The graph as eager layer-level checkpointing sees it.
+
+    Random ops inside the blocks are recomputable, since ``torch.utils.checkpoint``
+    restores the RNG state and draws the same numbers again
+    (``preserve_rng_state=True``)."""
+    g = ComputeGraph(graph.nx.copy(), name=graph.name, order=graph.order, meta=dict(graph.meta))
+    g.fx, g.capture_info = graph.fx, graph.capture_info
+    for v in g.ops:
+        d = g[v]
+        if not d["recomputable"] and d["op"] != "tangent" and d["phase"] == "forward":
+            if any(_inside(d.get("module") or "", b) for b in blocks):
+                d["recomputable"] = True
+    return g
+
+
 def keep_for_plan(graph: ComputeGraph, actions: Mapping[str, str]) -> set:
-    """Forward values a plan keeps: all but those that only a checkpointed block's own
-    backward reads (minus the matmul outputs of a selective block)."""
+    """Forward values a plan keeps: all but those that only a checkpointed block itself
+    reads, in forward or backward (minus the matmul outputs of a selective block)."""
     forward = set(graph.forward_nodes())
     drop: set = set()
     for block, action in actions.items():
         if action == "none":
             continue
         fwd, bwd = block_nodes(graph, block)
-        own_bwd = set(bwd)
+        own = set(fwd) | set(bwd)
         for v in fwd:
             if action == "selective" and str(graph[v]["op"]).startswith(MATMUL_OPS):
                 continue
-            readers = [s for s in graph.nx.successors(v) if graph.is_op(s) and graph[s]["phase"] == "backward"]
-            if readers and all(r in own_bwd for r in readers):
+            # internal to the block: only the block itself reads it (its output, read by
+            # the next layer, is what the next layer or the next checkpoint saves)
+            if all(r in own for r in graph.nx.successors(v) if graph.is_op(r) and graph[r]["op"] != "tangent"):
                 drop.add(v)
     return forward - drop
 
 
-def _evaluate(graph: ComputeGraph, actions: Mapping[str, str]) -> tuple[list, int, float]:
-    seq = sequence_from_keep(graph, keep_for_plan(graph, actions))
-    r = simulate(graph, seq)
-    if not r.valid:  # pragma: no cover - the builder makes valid sequences
-        raise NoScheduleFound(f"plan {dict(actions)} gives an invalid sequence: {r.error}")
-    return seq, r.peak_bytes, r.cost
+def checkpoint_sequence(graph: ComputeGraph, sequence: Sequence[Hashable], actions: Mapping[str, str]) -> list:
+    """The order in which non-reentrant ``torch.utils.checkpoint`` recomputes.
+
+    A checkpointed block reruns its whole forward at the first read of one of its
+    dropped values in backward, not value by value; so every recomputation of a block's
+    forward ops moves to the first of them (forward order kept). The result is valid
+    when ``sequence`` is (moved ops read only kept values or earlier moved ones).
+
+    Parameters
+    ----------
+    graph : ComputeGraph
+    sequence : sequence of node ids
+        E.g. :func:`solver.plans.sequence_from_keep` of a module plan.
+    actions : mapping
+        Block -> ``"none"``, ``"selective"`` or ``"full"``.
+
+    Returns
+    -------
+    list
+
+    Notes
+    -----
+    O(len(sequence) x number of blocks).
+
+    Examples
+    --------
+    >>> from solver.synthetic import training_chain
+    >>> g = training_chain(2)
+    >>> checkpoint_sequence(g, ["f0", "f1", "loss", "b1", "b0"], {})
+    ['f0', 'f1', 'loss', 'b1', 'b0']
+    """
+    out = list(sequence)
+    try:
+        first_bwd = next(i for i, v in enumerate(out) if graph[v]["phase"] == "backward")
+    except StopIteration:
+        return out
+    for block, action in actions.items():
+        if action == "none":
+            continue
+        fwd = set(block_nodes(graph, block)[0])
+        pos = [i for i, v in enumerate(out) if i > first_bwd and v in fwd]
+        if len(pos) < 2:
+            continue
+        moved = [out[i] for i in pos]
+        drop = set(pos)
+        rest = [v for i, v in enumerate(out) if i not in drop]
+        out = rest[: pos[0]] + moved + rest[pos[0]:]
+    return out
+
+
+def _offloads(graph: ComputeGraph, sequence: list, blocks: Sequence[str]) -> list:
+    """Every value of the offloaded blocks that their backward reads goes to the host right
+    after its last forward use and comes back just before its first backward use."""
+    from solver.methods.offload import offload_windows
+
+    first_bwd = next(i for i, v in enumerate(sequence) if graph[v]["phase"] == "backward")
+    offs = []
+    for w in offload_windows(graph, sequence):
+        mod = graph[w.node].get("module") or ""
+        if graph[w.node]["phase"] != "forward" or not any(_inside(mod, b) for b in blocks):
+            continue
+        if w.out_first < first_bwd <= w.in_last:
+            offs.append(w.offload(w.out_first, w.in_last))
+    return offs
+
+
+def plan_schedule(graph: ComputeGraph, actions: Mapping[str, str], *, bandwidth: float | None = None):
+    """The schedule that a per-block plan runs, and its simulation.
+
+    Checkpointed blocks drop what :func:`keep_for_plan` drops and recompute it at the
+    start of their backward (as torch does); offloaded blocks move their saved values to
+    the host (needs ``bandwidth``, bytes per graph time unit).
+
+    Returns
+    -------
+    (Schedule, SimulationResult)
+    """
+    ckpt = {b: a for b, a in actions.items() if a in CHECKPOINTED}
+    seq = checkpoint_sequence(graph, sequence_from_keep(graph, keep_for_plan(graph, ckpt)), ckpt)
+    off_blocks = [b for b, a in actions.items() if a == "offload"]
+    offs = []
+    if off_blocks:
+        if not bandwidth:
+            raise NoScheduleFound("offloading a block needs a host bandwidth")
+        offs = _offloads(graph, seq, off_blocks)
+    sched = Schedule(sequence=seq, offloads=offs, bandwidth=bandwidth if offs else None, method="module_plan",
+                     info={"order": "fixed", "actions": dict(actions)})
+    res = simulate(graph, sched)
+    if not res.valid:  # pragma: no cover - the builders make valid sequences
+        raise NoScheduleFound(f"plan {dict(actions)} gives an invalid sequence: {res.error}")
+    sched.peak_bytes, sched.cost, sched.base_cost = res.peak_bytes, res.cost, res.base_cost
+    return sched, res
 
 
 def plan_modules(
@@ -115,10 +220,11 @@ def plan_modules(
     budget_bytes: int,
     *,
     blocks: Sequence[str],
-    actions: Iterable[str] = ACTIONS,
+    actions: Iterable[str] = ("none", "selective", "full"),
+    bandwidth: float | None = None,
     time_limit: float | None = None,
 ) -> ModulePlan:
-    """Choose, per block, none / selective / full checkpointing so that the step fits.
+    """Choose an action per block so that the step fits with the least extra cost.
 
     Parameters
     ----------
@@ -128,24 +234,30 @@ def plan_modules(
     blocks : sequence of str
         Candidate module paths (e.g. the layers of a transformer); not nested.
     actions : iterable of str
-        Allowed actions (``"none"`` is always allowed).
+        Allowed actions, in order of strength (``"none"`` is always allowed; add
+        ``"offload"`` with a ``bandwidth``).
+    bandwidth : float, optional
+        Host link bytes per graph time unit, for offload.
     time_limit : float, optional
         Seconds for the search.
 
     Returns
     -------
     ModulePlan
+        Its schedule refers to :func:`checkpoint_view` of ``graph``.
 
     Raises
     ------
     InfeasibleBudget
-        Even checkpointing every block does not fit; carries the smallest peak found.
+        No plan found fits; carries the smallest peak of the plans that apply one action
+        to every block.
 
     Notes
     -----
-    Greedy: each round simulates every one-step upgrade of every block and takes the one
-    that lowers the peak most per unit of extra cost; once the step fits, blocks are
-    downgraded again while it still fits. O(rounds x blocks) simulations.
+    Greedy: each round simulates every stronger action of every block and takes the one
+    that lowers the peak most per unit of extra cost (or the cheapest that fits); once
+    the step fits, blocks are downgraded again while it still fits. O(rounds x blocks x
+    actions) simulations, each O(graph).
 
     Examples
     --------
@@ -156,49 +268,57 @@ def plan_modules(
     >>> p.schedule.peak_bytes <= 40
     True
     """
-    allowed = ["none"] + [a for a in ACTIONS if a != "none" and a in set(actions)]
+    graph = checkpoint_view(graph, blocks)
+    allowed = ["none"] + [a for a in actions if a != "none"]
+    rank = {a: i for i, a in enumerate(allowed)}
+    cache: dict[tuple, tuple] = {}
+
+    def evaluate(plan: dict) -> tuple:
+        key = tuple(plan[b] for b in blocks)
+        if key not in cache:
+            cache[key] = plan_schedule(graph, plan, bandwidth=bandwidth)
+        return cache[key]
+
     t0 = time.perf_counter()
     plan = {b: "none" for b in blocks}
-    seq, peak, cost = _evaluate(graph, plan)
-    evaluations = 1
-    while peak > budget_bytes:
+    sched, res = evaluate(plan)
+    while res.peak_bytes > budget_bytes:
         if time_limit is not None and time.perf_counter() - t0 > time_limit:
             break
         best = None
         for b in blocks:
             for a in allowed:
-                if _RANK[a] <= _RANK[plan[b]]:
+                if rank[a] <= rank[plan[b]]:
                     continue
                 trial = dict(plan)
                 trial[b] = a
-                s2, p2, c2 = _evaluate(graph, trial)
-                evaluations += 1
-                gain = peak - p2
-                extra = max(c2 - cost, 1e-12 * max(1.0, cost))
-                score = (p2 <= budget_bytes, gain / extra if gain > 0 else -extra)
-                if gain > 0 or p2 <= budget_bytes:
-                    key = (score[0], -c2 if score[0] else score[1])
-                    if best is None or key > best[0]:
-                        best = (key, trial, s2, p2, c2)
+                s2, r2 = evaluate(trial)
+                gain = res.peak_bytes - r2.peak_bytes
+                fits = r2.peak_bytes <= budget_bytes
+                if gain <= 0 and not fits:
+                    continue
+                extra = max(r2.cost - res.cost, 1e-12 * max(1.0, res.cost))
+                key = (fits, -r2.cost if fits else gain / extra)
+                if best is None or key > best[0]:
+                    best = (key, trial, s2, r2)
         if best is None:
             break
-        _, plan, seq, peak, cost = best
-    if peak > budget_bytes:
-        raise InfeasibleBudget(budget_bytes, peak, lower_bound_bytes=None, what="peak with block checkpointing")
-    # downgrade what the budget no longer needs, cheapest first
+        _, plan, sched, res = best
+    if res.peak_bytes > budget_bytes:
+        smallest = min(evaluate({b: a for b in blocks})[1].peak_bytes for a in allowed)
+        raise InfeasibleBudget(budget_bytes, min(smallest, res.peak_bytes),
+                               what="peak with per-block checkpointing")
     improved = True
-    while improved:
+    while improved:  # downgrade what the budget no longer needs
         improved = False
-        for b in sorted(blocks, key=lambda b: -_RANK[plan[b]]):
+        for b in sorted(blocks, key=lambda b: -rank[plan[b]]):
             for a in allowed:
-                if _RANK[a] >= _RANK[plan[b]]:
+                if rank[a] >= rank[plan[b]]:
                     continue
                 trial = dict(plan)
                 trial[b] = a
-                s2, p2, c2 = _evaluate(graph, trial)
-                evaluations += 1
-                if p2 <= budget_bytes and c2 < cost:
-                    plan, seq, peak, cost, improved = trial, s2, p2, c2, True
+                s2, r2 = evaluate(trial)
+                if r2.peak_bytes <= budget_bytes and r2.cost < res.cost:
+                    plan, sched, res, improved = trial, s2, r2, True
                     break
-    schedule = Schedule(sequence=seq, method="module_plan", info={"order": "fixed", "actions": dict(plan)})
-    return ModulePlan(actions=plan, schedule=schedule, evaluations=evaluations, blocks=list(blocks))
+    return ModulePlan(actions=plan, schedule=sched, evaluations=len(cache), blocks=list(blocks), graph=graph)

@@ -25,7 +25,7 @@ from graphs import CaptureError, ComputeGraph
 from graphs.capture import capture, default_loss
 from graphs.graph_mode import ScheduledStep, wrap_graph_mode
 from graphs.memory import MemoryTracker
-from graphs.module_mode import apply_module_plan
+from graphs.module_mode import apply_module_plan, layer_blocks
 from graphs.units import GiB, format_bytes
 from solver.module_plan import ModulePlan, plan_modules
 from solver.registry import check_budget, solve
@@ -163,20 +163,6 @@ def _capture_inputs(args: tuple, kwargs: dict) -> tuple | dict:
         raise CaptureError("pass the example inputs either as a tuple of positional arguments or "
                            "as a dict of keyword arguments, not both")
     return kwargs if kwargs else args
-
-
-def _blocks(model: nn.Module) -> list[str]:
-    """Candidate blocks for module mode: the children of the longest ModuleList or
-    Sequential (the layers of a transformer, the stages of a CNN); else top-level children."""
-    best: list[str] = []
-    for name, mod in model.named_modules():
-        if isinstance(mod, (nn.ModuleList, nn.Sequential)) and len(mod) >= 2:
-            kids = [f"{name}.{k}" if name else k for k, _ in mod.named_children()]
-            if len(kids) > len(best):
-                best = kids
-    if not best:
-        best = [k for k, _ in model.named_children()]
-    return best
 
 
 def optimize(
@@ -360,15 +346,13 @@ class _EagerStep:
 
 
 def _plan_module(model, cg, budget, act_budget, store_all, capture_s, t1, blocks, time_limit, state) -> ModulePlan:
-    names = blocks or _blocks(model)
+    names = blocks or layer_blocks(model)
     check_budget(cg, budget)
-    if budget >= store_all:
-        mp = plan_modules(cg, store_all, blocks=names)  # nothing to checkpoint
-    else:
-        mp = plan_modules(cg, budget, blocks=names, time_limit=time_limit)
+    mp = plan_modules(cg, budget, blocks=names, time_limit=time_limit)
     sched = mp.schedule
+    cg = mp.graph  # random ops inside the blocks are recomputed there (RNG state restored)
     r = simulate(cg, sched)
-    sched.cost, sched.peak_bytes, sched.base_cost, sched.budget_bytes = r.cost, r.peak_bytes, r.base_cost, budget
+    sched.budget_bytes = budget
     report = Report(
         mode="module", method="module_plan", budget_bytes=budget, predicted_peak_bytes=r.peak_bytes,
         store_all_peak_bytes=store_all, smallest_feasible_bytes=min(store_all, r.peak_bytes),

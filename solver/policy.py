@@ -25,7 +25,7 @@ from solver.analytic import TransformerConfig
 from solver.errors import InfeasibleBudget, SolverError
 
 __all__ = ["LayerAction", "LayerOption", "StagePlan", "LayerPolicy", "policy", "build_planner", "budget_bytes_of",
-           "SCHEDULES"]
+           "SCHEDULES", "GraphPlanner", "build_graph_planner", "layer_blocks", "hf_example_inputs"]
 
 log = logging.getLogger(__name__)
 
@@ -110,12 +110,19 @@ class LayerPolicy:
         equivalent, see :class:`LayerOption`).
     base_flops : float
         Forward + backward FLOPs per micro-batch without recomputation.
-    config : TransformerConfig
+    config : TransformerConfig or None
+        The analytic shape (None for a captured module without an HF ``.config``).
     pipeline_parallel : int
     schedule : str
     optimizer : str
     hardware : Hardware or None
     notes : list of str
+    blocks : tuple of str
+        Captured path: the module path of every layer (``model.layers.0``...).
+    source : {"config", "graph"}
+        Priced by the analytic model, or simulated on the captured training step.
+    graph_schedule : Schedule or None
+        Captured path: the simulated sequence (and offloads) of the plan.
     """
 
     actions: tuple
@@ -124,13 +131,16 @@ class LayerPolicy:
     peak_bytes: int
     extra_flops: float
     base_flops: float
-    config: TransformerConfig
+    config: TransformerConfig | None
     pipeline_parallel: int = 1
     schedule: str = "1f1b"
     optimizer: str = "adam"
     hardware: Hardware | None = None
     notes: list = field(default_factory=list)
     solve_seconds: float = 0.0
+    blocks: tuple = ()
+    source: str = "config"
+    graph_schedule: Any = field(default=None, repr=False, compare=False)
     _planner: Any = field(default=None, repr=False, compare=False)
 
     @property
@@ -178,9 +188,13 @@ class LayerPolicy:
                         "workspace_bytes": s.workspace_bytes, "peak_bytes": s.peak_bytes,
                         "extra_flops": s.extra_flops} for s in self.stages],
             "notes": list(self.notes),
+            "source": self.source,
+            "blocks": list(self.blocks),
         }
 
     def __str__(self) -> str:
+        if self.source == "graph":
+            return _graph_policy_str(self)
         c = self.config
         head = (f"LayerPolicy: {c.num_layers} layers, h={c.hidden_size}, seq {c.seq_len}, micro-batch "
                 f"{c.micro_batch}, TP {c.tensor_parallel}{'+SP' if c.sequence_parallel else ''}, "
@@ -406,6 +420,236 @@ class _Planner:
         return self.policy_of(actions, budget, notes=notes, seconds=time.perf_counter() - t0)
 
 
+def _is_module(obj: Any) -> bool:
+    """An ``nn.Module``, checked without importing torch when it is not loaded."""
+    import sys
+
+    torch = sys.modules.get("torch")
+    return torch is not None and isinstance(obj, torch.nn.Module)
+
+
+def layer_blocks(model: Any) -> list[str]:
+    """Module paths of a model's layers (see :func:`graphs.module_mode.layer_blocks`)."""
+    from graphs.module_mode import layer_blocks as _layer_blocks
+
+    return _layer_blocks(model)
+
+
+def hf_example_inputs(model: Any, *, seq_len: int | None, micro_batch: int | None) -> dict:
+    """``input_ids`` and ``labels`` of shape (micro_batch, seq_len) for an HF causal LM,
+    on the model's device (a meta model gets meta tensors: nothing is allocated)."""
+    import torch
+
+    cfg = getattr(model, "config", None)
+    if cfg is None:
+        raise SolverError(f"{type(model).__name__} has no HF `.config`: pass example_inputs=... (a tuple of "
+                          "positional arguments or a dict of keyword arguments)")
+    if not seq_len:
+        raise SolverError("pass seq_len=... (and micro_batch=...) to build the example batch, or example_inputs=...")
+    vocab = int(getattr(cfg, "vocab_size", 0) or 2)
+    try:
+        device = next(model.parameters()).device
+    except StopIteration:
+        device = torch.device("cpu")
+    b = int(micro_batch or 1)
+    if device.type == "meta":
+        ids = torch.zeros((b, int(seq_len)), dtype=torch.long, device="meta")
+    else:
+        gen = torch.Generator().manual_seed(0)
+        ids = torch.randint(0, vocab, (b, int(seq_len)), generator=gen).to(device)
+    return {"input_ids": ids, "labels": ids}
+
+
+class GraphPlanner:
+    """Prices per-layer plans on the captured training step of a real module.
+
+    Every plan (one action per layer) becomes a schedule of the captured DAG
+    (:func:`solver.module_plan.plan_schedule`: each checkpointed layer's recomputation
+    placed where torch runs it, at the start of the layer's backward) that
+    :func:`solver.simulate` grades. Offload moves every value of a layer that its
+    backward reads to the host right after its last forward use and back just before its
+    first backward use.
+
+    Attributes
+    ----------
+    graph : ComputeGraph
+        The captured step (``backward="loss"``); ``meta["extra_fixed_bytes"]`` holds the
+        optimizer state.
+    blocks : list of str
+    options : tuple of LayerAction
+    """
+
+    def __init__(self, model: Any, example_inputs: Any, *, blocks: Sequence[str] | None = None,
+                 optimizer: str = "adam", hardware: Any = None, allow_offload: bool | None = None,
+                 measure_time: bool = False, loss_fn: Any = None) -> None:
+        from graphs.capture import capture
+
+        self.model = model
+        self.blocks = list(blocks) if blocks is not None else layer_blocks(model)
+        if not self.blocks:
+            raise SolverError(f"{type(model).__name__} has no layers to plan (no ModuleList/Sequential or children)")
+        self.optimizer = str(optimizer).lower()
+        self.hardware = None if hardware is None else get_hardware(hardware)
+        try:
+            device = next(model.parameters()).device.type
+        except StopIteration:
+            device = "cpu"
+        self.device = device
+        self.notes: list[str] = []
+        if allow_offload is None:
+            allow_offload = self.hardware is not None and device == "cuda"
+            if self.hardware is not None and device != "cuda":
+                self.notes.append(f"offload not considered: the model is on {device}, not CUDA")
+        if allow_offload and self.hardware is None:
+            raise SolverError("offload needs a hardware spec for its host bandwidth: pass hardware='pcie5'")
+        self.allow_offload = bool(allow_offload)
+        t0 = time.perf_counter()
+        from solver.module_plan import checkpoint_view
+
+        self.graph = checkpoint_view(
+            capture(model, example_inputs, backward="loss", measure_time=measure_time, loss_fn=loss_fn,
+                    hardware=self.hardware), self.blocks)
+        self.capture_seconds = time.perf_counter() - t0
+        params = [p for p in model.parameters() if p.requires_grad]
+        numel = sum(p.numel() for p in params)
+        esize = params[0].element_size() if params else 4
+        _, _, o_b = analytic.state_bytes_per_parameter(esize, self.optimizer)
+        self.optimizer_bytes = int(numel * o_b)
+        self.graph.meta["extra_fixed_bytes"] = self.optimizer_bytes
+        self.options = (LayerAction.NONE, LayerAction.SELECTIVE, LayerAction.FULL) + (
+            (LayerAction.OFFLOAD,) if self.allow_offload else ())
+        self.base_flops = float(sum(self.graph[v].get("flops", 0) for v in self.graph.ops))
+        self.config = None
+        if getattr(model, "config", None) is not None:
+            try:
+                self.config = analytic.as_config(model)
+            except Exception:  # an unusual HF config: the captured graph is all we need
+                self.config = None
+        self._cache: dict[tuple, tuple] = {}
+
+    def evaluate(self, actions: Sequence[LayerAction]) -> tuple:
+        """(Schedule, SimulationResult) of one action per layer (cached)."""
+        from solver.module_plan import plan_schedule
+
+        key = tuple(LayerAction(a) for a in actions)
+        if key in self._cache:
+            return self._cache[key]
+        if len(key) != len(self.blocks):
+            raise SolverError(f"{len(key)} actions for {len(self.blocks)} layers")
+        self._cache[key] = plan_schedule(self.graph, {b: a.value for b, a in zip(self.blocks, key)},
+                                         bandwidth=self._bandwidth())
+        return self._cache[key]
+
+    def _bandwidth(self) -> float | None:
+        # captured times are seconds: the host link in bytes per second
+        return float(self.hardware.host_bandwidth) if self.allow_offload else None
+
+    def _extra_flops(self, sched) -> float:
+        seen: set = set()
+        extra = 0.0
+        for v in sched.sequence:
+            if v in seen:
+                extra += float(self.graph[v].get("flops", 0))
+            seen.add(v)
+        return extra
+
+    def policy_of(self, actions: Sequence[LayerAction], budget: int, *, notes=None, seconds: float = 0.0
+                  ) -> LayerPolicy:
+        acts = tuple(LayerAction(a) for a in actions)
+        missing = [a for a in acts if a not in self.options]
+        if missing:
+            raise SolverError(f"action {missing[0]} not available here (offload needs hardware=... and CUDA)")
+        sched, res = self.evaluate(acts)
+        fixed = int(self.graph.fixed_bytes)
+        stage = StagePlan(0, range(len(acts)), 1, fixed, int(res.peak_bytes - fixed), 0, int(res.peak_bytes),
+                          self._extra_flops(sched))
+        return LayerPolicy(actions=acts, stages=(stage,), budget_bytes=int(budget), peak_bytes=int(res.peak_bytes),
+                           extra_flops=stage.extra_flops, base_flops=self.base_flops, config=self.config,
+                           optimizer=self.optimizer, hardware=self.hardware,
+                           notes=list(self.notes if notes is None else notes), solve_seconds=seconds,
+                           blocks=tuple(self.blocks), source="graph", graph_schedule=sched, _planner=self)
+
+    def min_peak(self) -> int:
+        """Smallest peak over the uniform plans (every layer the same action)."""
+        return min(self.evaluate([a] * len(self.blocks))[1].peak_bytes for a in self.options)
+
+    def solve(self, budget: int) -> LayerPolicy:
+        """The cheapest plan found that fits (greedy, :func:`solver.module_plan.plan_modules`)."""
+        from solver.module_plan import plan_modules
+
+        t0 = time.perf_counter()
+        try:
+            mp = plan_modules(self.graph, budget, blocks=self.blocks, actions=[a.value for a in self.options],
+                              bandwidth=self._bandwidth())
+        except InfeasibleBudget:
+            raise InfeasibleBudget(budget, self.min_peak(), what="peak of a training step (captured graph)") from None
+        cur = [LayerAction(mp.actions[b]) for b in self.blocks]
+        notes = list(self.notes)
+        notes.append(f"planned on the captured training step ({len(self.graph.ops)} ops, captured in "
+                     f"{self.capture_seconds:.1f} s); peaks from the simulator")
+        if self.allow_offload:
+            notes.append(f"offload priced at {self.hardware.host_bandwidth / 1e9:.0f} GB/s each way "
+                         f"({self.hardware.name})")
+        return self.policy_of(cur, budget, notes=notes, seconds=time.perf_counter() - t0)
+
+
+def _graph_policy_str(p: LayerPolicy) -> str:
+    lines = [f"LayerPolicy (captured graph): {len(p.actions)} layers, optimizer {p.optimizer}",
+             f"peak {format_bytes(p.peak_bytes)} / budget {format_bytes(p.budget_bytes)}, extra "
+             f"{format_count(p.extra_flops)}FLOP (+{100 * p.overhead:.2f} % of the step)",
+             f"{'layers':>11} {'action':<10} modules"]
+    for lo, hi, a in _runs(p.actions, range(len(p.actions))):
+        span = f"{lo}" if lo == hi else f"{lo}-{hi}"
+        mods = p.blocks[lo] if lo == hi else f"{p.blocks[lo]} .. {p.blocks[hi]}"
+        lines.append(f"{span:>11} {a.value:<10} {mods}")
+    lines.extend(f"note: {n}" for n in p.notes)
+    return "\n".join(lines)
+
+
+def build_graph_planner(model: Any, *, example_inputs: Any = None, seq_len: int | None = None,
+                        micro_batch: int | None = None, optimizer: str = "adam", hardware: Any = None,
+                        allow_offload: bool | None = None, blocks: Sequence[str] | None = None,
+                        measure_time: bool = False, loss_fn: Any = None) -> GraphPlanner:
+    """The planner behind :func:`policy` and :func:`solver.estimate.estimate` for a real
+    ``nn.Module``: its training step captured with :func:`graphs.capture` on
+    ``example_inputs`` (default for an HF model: ``input_ids``/``labels`` of shape
+    ``(micro_batch, seq_len)``).
+
+    Examples
+    --------
+    >>> import torch
+    >>> net = torch.nn.Sequential(*[torch.nn.Linear(16, 16) for _ in range(3)])
+    >>> pl = build_graph_planner(net, example_inputs=(torch.randn(8, 16),), optimizer="none")
+    >>> pl.blocks, pl.evaluate(["none"] * 3)[1].valid
+    (['0', '1', '2'], True)
+    """
+    if example_inputs is None:
+        example_inputs = hf_example_inputs(model, seq_len=seq_len, micro_batch=micro_batch)
+    return GraphPlanner(model, example_inputs, blocks=blocks, optimizer=optimizer, hardware=hardware,
+                        allow_offload=allow_offload, measure_time=measure_time, loss_fn=loss_fn)
+
+
+def _check_graph_options(*, pipeline_parallel: int = 1, **config_only: Any) -> None:
+    """The captured path plans one device's step as captured: no parallelism knobs."""
+    if pipeline_parallel not in (None, 1) or config_only.get("tensor_parallel") not in (None, 1):
+        raise SolverError("tensor/pipeline parallelism is planned from a config (via='config'); the captured "
+                          "graph is one device's step")
+    given = [k for k, v in config_only.items() if v not in (None, False) and k != "tensor_parallel"]
+    if given:
+        raise SolverError(f"{', '.join(given)} only apply to via='config'; the captured graph fixes them "
+                          "(build the model in the dtype you want)")
+
+
+def _wants_graph(model_or_config: Any, via: str) -> bool:
+    if via not in ("auto", "graph", "config"):
+        raise SolverError(f"via must be 'auto', 'graph' or 'config', got {via!r}")
+    if via == "config":
+        return False
+    if via == "graph" and not _is_module(model_or_config):
+        raise SolverError(f"via='graph' needs an nn.Module, got {type(model_or_config).__name__}")
+    return _is_module(model_or_config)
+
+
 def _module_planner_config(model: Any, **overrides) -> TransformerConfig:
     """Shape of an ``nn.Module``: HF models through their ``.config``.
 
@@ -466,7 +710,9 @@ def policy(model_or_config: Any, gpu_gb: float, *, seq_len: int | None = None, m
            pipeline_parallel: int = 1, schedule: str = "1f1b", num_microbatches: int | None = None,
            optimizer: str = "adam", hardware: "str | Hardware | None" = None, allow_offload: bool | None = None,
            grad_bytes: int | None = None, flash_attention: bool | None = None,
-           reserved_bytes: int = 0) -> LayerPolicy:
+           reserved_bytes: int = 0, example_inputs: Any = None, via: str = "auto",
+           blocks: Sequence[str] | None = None, measure_time: bool = False,
+           loss_fn: Any = None) -> LayerPolicy:
     """Per layer none / selective / full / offload, so that a training step fits ``gpu_gb``
     with the least extra compute.
 
@@ -519,6 +765,22 @@ def policy(model_or_config: Any, gpu_gb: float, *, seq_len: int | None = None, m
         Fused attention (no score matrices kept); default: read from the config, else unfused.
     reserved_bytes : int
         Device bytes held back for the runtime (CUDA context, allocator slack).
+    example_inputs : tuple or dict, optional
+        Captured path: the model's positional or keyword arguments (default for an HF
+        model: ``input_ids`` and ``labels`` of shape ``(micro_batch, seq_len)``).
+    via : {"auto", "graph", "config"}
+        ``"graph"``: capture the module's training step (:func:`graphs.capture`) and
+        plan on it: per layer none / selective / full (and offload when ``hardware`` is
+        given and the model is on CUDA), every candidate graded by
+        :func:`solver.simulate`; layers are the children of the model's longest
+        ``ModuleList`` (or ``blocks``); the search is greedy. ``"config"``: the
+        analytic model above. ``"auto"``: graph for an ``nn.Module``, else config.
+    blocks : sequence of str, optional
+        Captured path: module paths of the layers.
+    measure_time : bool
+        Captured path: time every op for the cost model (default: roofline).
+    loss_fn : callable, optional
+        Captured path: output -> scalar loss (default: ``output.loss`` or a sum).
 
     Returns
     -------
@@ -541,6 +803,17 @@ def policy(model_or_config: Any, gpu_gb: float, *, seq_len: int | None = None, m
     (True, True)
     """
     budget = budget_bytes_of(gpu_gb, reserved_bytes)
+    if _wants_graph(model_or_config, via):
+        _check_graph_options(tensor_parallel=tensor_parallel, pipeline_parallel=pipeline_parallel, dtype=dtype,
+                             sequence_parallel=sequence_parallel, num_microbatches=num_microbatches,
+                             grad_bytes=grad_bytes, flash_attention=flash_attention)
+        gp = build_graph_planner(model_or_config, example_inputs=example_inputs, seq_len=seq_len,
+                                 micro_batch=micro_batch, optimizer=optimizer, hardware=hardware,
+                                 allow_offload=allow_offload, blocks=blocks, measure_time=measure_time,
+                                 loss_fn=loss_fn)
+        out = gp.solve(budget)
+        log.info("policy (captured graph): %s", dict((k.value, v) for k, v in out.counts().items()))
+        return out
     planner = build_planner(model_or_config, seq_len=seq_len, micro_batch=micro_batch, dtype=dtype,
                             tensor_parallel=tensor_parallel, sequence_parallel=sequence_parallel,
                             pipeline_parallel=pipeline_parallel, schedule=schedule,

@@ -167,11 +167,16 @@ def test_eval_and_no_grad_run_the_original_forward():
     calls = []
     model.blocks[0].register_forward_hook(lambda *a: calls.append(1))
     with torch.no_grad():
-        a = _call(fast, inputs)
+        _call(fast, inputs)  # training mode, no autograd: the original forward
+    assert len(calls) == 1
     fast.eval()
-    b = _call(fast, inputs)
-    assert len(calls) == 2  # module hooks fire: the original forward ran, once per call
-    assert torch.equal(a, b)
+    a = _call(fast, inputs)
+    with torch.no_grad():
+        b = _call(fast, inputs)
+    assert len(calls) == 3  # module hooks fire: the original forward ran, once per call
+    assert torch.equal(a, b)  # eval: deterministic, same as the model's own eval forward
+    model.eval()
+    assert torch.equal(a, _call(model, inputs))
 
 
 def test_report_reads_well():

@@ -128,3 +128,53 @@ def test_70b_shape_plans():
                             tied_embeddings=False, tensor_parallel=8, sequence_parallel=True)
     p = policy(cfg, 80, pipeline_parallel=4, hardware="h100-pcie5")
     assert p.fits and len(p.actions) == 80
+
+
+# ------------------------------------------------------------ captured-graph path (nn.Module)
+
+@pytest.fixture(scope="module")
+def small_gpt():
+    torch = pytest.importorskip("torch")
+    from examples import models
+
+    torch.set_num_threads(1)
+    return models.gpt(n_layer=3, d=64, seq=64, batch=2, dropout=0.0)
+
+
+def test_graph_policy_fits_and_uses_simulator(small_gpt):
+    from solver.policy import build_graph_planner
+    from solver.simulate import simulate
+
+    model, inputs = small_gpt
+    pl = build_graph_planner(model, example_inputs=inputs, optimizer="none")
+    none = pl.evaluate([LayerAction.NONE] * 3)[1].peak_bytes
+    full = pl.evaluate([LayerAction.FULL] * 3)[1].peak_bytes
+    assert full < none
+    budget = (none + full) / 2
+    p = policy(model, budget / GiB, example_inputs=inputs, optimizer="none")
+    assert p.source == "graph" and p.blocks == ("blocks.0", "blocks.1", "blocks.2")
+    assert p.peak_bytes <= p.budget_bytes
+    assert p.peak_bytes == simulate(pl.graph, p.graph_schedule).peak_bytes
+    assert any(a != LayerAction.NONE for a in p.actions)
+    roomy = policy(model, 2 * none / GiB, example_inputs=inputs, optimizer="none")
+    assert roomy.counts()[LayerAction.NONE] == 3 and roomy.extra_flops == 0
+    assert "captured graph" in str(p) and p.to_dict()["source"] == "graph"
+    with pytest.raises(InfeasibleBudget):
+        policy(model, 0.5 * full / GiB, example_inputs=inputs, optimizer="none")
+
+
+def test_graph_policy_offload_and_bad_options(small_gpt):
+    model, inputs = small_gpt
+    p = policy(model, 1.0, example_inputs=inputs, hardware="pcie5")
+    assert LayerAction.OFFLOAD not in p.actions and any("not CUDA" in n for n in p.notes)
+    from solver.policy import build_graph_planner
+
+    pl = build_graph_planner(model, example_inputs=inputs, hardware="pcie5", allow_offload=True, optimizer="none")
+    off = pl.evaluate([LayerAction.OFFLOAD] * 3)
+    assert off[0].offloads and off[1].peak_bytes < pl.evaluate([LayerAction.NONE] * 3)[1].peak_bytes
+    with pytest.raises(SolverError):
+        policy(model, 1.0, example_inputs=inputs, pipeline_parallel=2)
+    with pytest.raises(SolverError):
+        policy(model, 1.0, via="bogus")
+    with pytest.raises(SolverError):
+        policy(model, 1.0)  # no example inputs and no HF config

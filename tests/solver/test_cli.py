@@ -1,0 +1,116 @@
+"""The ``remat`` command line end to end: exit codes, --json, PNG files, one-line errors."""
+
+import json
+import shutil
+import subprocess
+import sys
+import textwrap
+from pathlib import Path
+
+import pytest
+
+from solver.cli import main
+
+GRAPHS = Path("/work/shared/benchmarks/graphs")
+VGG = GRAPHS / "VGG16_256_224_224_3_train.json"
+LLAMA = ["llama", "--layers", "8", "--hidden", "1024", "--heads", "16", "--kv-heads", "4", "--ffn", "2816",
+         "--vocab", "32000", "--seq", "2048", "--micro-batch", "2", "--dtype", "bf16"]
+
+
+def run(capsys, argv):
+    rc = main(argv)
+    out, err = capsys.readouterr()
+    return rc, out, err
+
+
+def _png_ok(path: Path) -> None:
+    data = path.read_bytes()
+    assert data[:8] == b"\x89PNG\r\n\x1a\n" and len(data) > 5000
+
+
+def test_estimate_and_plan_json(capsys):
+    rc, out, err = run(capsys, ["estimate", *LLAMA, "--gpu-gb", "24", "--json"])
+    assert rc == 0, err
+    d = json.loads(out)
+    assert d["peak_full_remat"] < d["peak_no_remat"] and d["source"] == "config"
+    rc, out, _ = run(capsys, ["plan", *LLAMA, "--gpu-gb", "24", "--json"])
+    p = json.loads(out)["policy"]
+    assert rc == 0 and len(p["actions"]) == 8 and p["peak_bytes"] <= p["budget_bytes"]
+
+
+@pytest.mark.parametrize("fmt,key", [("hf", "method"), ("megatron", "recompute_granularity"),
+                                     ("deepspeed", "activation_checkpointing"),
+                                     ("torchtitan", "activation_checkpoint"), ("sac", "layers")])
+def test_plan_exports(capsys, fmt, key):
+    rc, out, err = run(capsys, ["plan", *LLAMA, "--gpu-gb", "20", "--format", fmt, "--json"])
+    assert rc == 0, err
+    assert key in json.loads(out)["export"]["config"]
+    rc, out, _ = run(capsys, ["plan", *LLAMA, "--gpu-gb", "20", "--format", fmt])
+    assert rc == 0 and "LayerPolicy" in out
+
+
+def test_plan_factory_file_uses_captured_graph(capsys, tmp_path):
+    f = tmp_path / "net.py"
+    f.write_text(textwrap.dedent("""
+        import torch
+        def make():
+            torch.manual_seed(0)
+            net = torch.nn.Sequential(*[torch.nn.Linear(64, 64) for _ in range(3)])
+            return net, (torch.randn(32, 64),)
+    """))
+    rc, out, err = run(capsys, ["plan", f"{f}:make", "--gpu-gb", "1", "--json"])
+    assert rc == 0, err
+    p = json.loads(out)["policy"]
+    assert p["source"] == "graph" and p["blocks"] == ["0", "1", "2"]
+    rc, out, err = run(capsys, ["plan", f"{f}:nothing", "--gpu-gb", "1"])
+    assert rc != 0 and "no function" in err and len(err.strip().splitlines()) == 1
+
+
+@pytest.mark.parametrize("argv,needle", [
+    (["estimate", "no_such_model", "--gpu-gb", "8"], "unknown model"),
+    (["estimate", "gpt2", "--gpu-gb", "zero"], "--gpu-gb"),
+    (["plan", "gpt2", "--gpu-gb", "0.01", "--seq", "1024"], "infeasible"),
+    (["plan", "/nonexistent/model.py:make", "--gpu-gb", "8"], "no such file"),
+    (["solve", "/nonexistent/graph.json", "--budget", "1GB"], "no such graph file"),
+    (["solve", str(VGG), "--budget", "lots"], "cannot read budget"),
+])
+def test_errors_are_one_line(capsys, argv, needle):
+    rc, out, err = run(capsys, argv)
+    assert rc != 0
+    lines = err.strip().splitlines()
+    assert len(lines) == 1 and needle in lines[0] and "Traceback" not in err
+
+
+@pytest.mark.skipif(not VGG.exists(), reason="benchmark graphs not present")
+def test_solve_sweep_show_on_benchmark_graph(capsys, tmp_path):
+    pytest.importorskip("matplotlib")
+    rc, out, err = run(capsys, ["solve", str(VGG), "--budget", "0.9x", "--method", "eviction", "--json"])
+    assert rc == 0, err
+    assert json.loads(out)["peak_bytes"] <= 0.9 * json.loads(out)["store_all_peak"] + 1
+    csv, js, png = tmp_path / "s.csv", tmp_path / "s.json", tmp_path / "s.png"
+    rc, out, err = run(capsys, ["sweep", str(VGG), "--methods", "eviction,chen_sqrt", "--points", "3",
+                                "--csv", str(csv), "--out", str(js), "--png", str(png), "--json"])
+    assert rc == 0, err
+    assert len(json.loads(out)["rows"]) == 6 and csv.read_text().count("\n") == 7
+    assert json.loads(js.read_text())["graph"]
+    _png_ok(png)
+    show = tmp_path / "show.png"
+    rc, out, err = run(capsys, ["show", str(VGG), "--budget", "0.9x", "--method", "eviction", "--out", str(show),
+                                "--json"])
+    assert rc == 0, err
+    assert json.loads(out)["png"] == str(show)
+    _png_ok(show)
+
+
+@pytest.mark.slow
+def test_console_script_subprocess():
+    exe = shutil.which("remat")
+    cmd = [exe] if exe else [sys.executable, "-m", "solver.cli"]
+    ok = subprocess.run(cmd + ["estimate", *LLAMA, "--gpu-gb", "24", "--json"], capture_output=True, text=True,
+                        timeout=120)
+    assert ok.returncode == 0, ok.stderr
+    assert "peak_best" in json.loads(ok.stdout)
+    bad = subprocess.run(cmd + ["plan", "no_such_model", "--gpu-gb", "8"], capture_output=True, text=True,
+                         timeout=120)
+    assert bad.returncode != 0 and len(bad.stderr.strip().splitlines()) == 1
+    assert "Traceback" not in bad.stderr
