@@ -408,6 +408,8 @@ def _call(module: nn.Module, inputs: Any) -> Any:
 def _step_seconds(module: nn.Module, inputs: Any, loss_fn, *, repeats: int = 3) -> float:
     times = []
     for _ in range(repeats):
+        for p in module.parameters():
+            p.grad = None
         t0 = time.process_time()
         loss_fn(_call(module, inputs)).backward()
         times.append(time.process_time() - t0)
@@ -472,13 +474,21 @@ def _verify_into(module, original, example_inputs, report, *, loss_fn=None, repe
         report.measured_peak_bytes = int(peak)
         report.measured_step_seconds = _step_seconds(module, example_inputs, loss_fn, repeats=repeats)
         if original is not None:
-            for p in params:
+            oparams = list(original.parameters())
+            osaved = [p.grad for p in oparams]
+            obuffers = [(b, b.detach().clone()) for b in original.buffers()]
+            for p in params + oparams:
                 p.grad = None
             report.original_step_seconds = _step_seconds(original, example_inputs, loss_fn, repeats=repeats)
-            for p in params:
+            for p in params + oparams:
                 p.grad = None
             with MemoryTracker(original, example_inputs) as t2:
                 loss_fn(_call(original, example_inputs)).backward()
+            for p, g in zip(oparams, osaved):
+                p.grad = g
+            with torch.no_grad():
+                for b, saved in obuffers:
+                    b.copy_(saved)
             report.original_peak_bytes = int(t2.peak_bytes + (report.graph.meta.get("extra_fixed_bytes", 0)
                                                               if report.graph is not None else 0))
     finally:
