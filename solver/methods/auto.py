@@ -3,12 +3,14 @@
 The recipe, cheapest first:
 
 1. store-all, when the reference order fits (no extra compute: optimal);
-2. ``chain_dp`` when the graph splits into a chain of stages (optimal for chains);
-3. ``eviction`` (fixed order) and ``order_search`` (free order), the fast warm starts;
-   then the low-memory recipe of :func:`~solver.methods.minpeak.min_peak_sequence`,
-   which reaches every budget that :class:`~solver.InfeasibleBudget` reports;
-4. an exact method (``cpsat``, ``checkmate_milp``) on small graphs when time is left,
-   warm-started from the best schedule so far.
+2. ``eviction`` on the reference order (fast, near-optimal on training graphs);
+3. ``chain_dp`` on training graphs (optimal for chains of stages);
+4. ``order_search`` (free order) where order freedom matters: forward-only graphs, or
+   training graphs whose greedy low-memory order lowers the reference peak; then the
+   low-memory recipe of :func:`~solver.methods.minpeak.min_peak_sequence`, which
+   reaches every budget that :class:`~solver.InfeasibleBudget` reports;
+5. an exact method (``cpsat``, ``checkmate_milp``) on small graphs when a time limit
+   leaves time, warm-started from the best schedule so far.
 
 Every candidate is graded by :func:`solver.simulate`; the cheapest valid one within the
 budget wins (fewest steps on ties). ``schedule.info["auto"]`` records what was tried,
@@ -26,12 +28,24 @@ from solver.errors import InfeasibleBudget, NoScheduleFound, SolverError
 from solver.schedule import Schedule
 from solver.simulate import simulate
 
-__all__ = ["solve_auto", "EXACT_MAX_OPS"]
+__all__ = ["solve_auto", "EXACT_MAX_OPS", "CHAIN_DP_MAX_OPS", "ORDER_GAIN", "BOUND_MAX_OPS", "BOUND_LIMITED_MAX_OPS", "SMALL_OPS"]
 
 log = logging.getLogger(__name__)
 
 #: Graphs with at most this many ops get an exact method when time is left.
 EXACT_MAX_OPS = 60
+#: Training graphs with at most this many ops also try ``chain_dp``.
+CHAIN_DP_MAX_OPS = 120
+#: Order search runs on a training graph only when a greedy low-memory order lowers the
+#: reference store-all peak by more than this fraction.
+ORDER_GAIN = 0.01
+#: Order search always runs on graphs this small (it is cheap there).
+SMALL_OPS = 60
+#: Without a time limit, the fixed-order lower bound is only attempted up to this size.
+BOUND_MAX_OPS = 100
+#: With a time limit, the bound is attempted up to this size (the LP overruns its limit
+#: on larger graphs).
+BOUND_LIMITED_MAX_OPS = 400
 
 
 def _registered(name: str):
@@ -54,8 +68,10 @@ def solve_auto(graph: ComputeGraph, budget: int, *, time_limit: float | None = N
     budget : int
         Peak bytes allowed, fixed bytes included.
     time_limit : float, optional
-        Seconds in all (default 10 s up to 300 ops, else 60 s). Fast heuristics always
-        run; exact methods and lower bounds only get the time that is left.
+        Seconds in all. Without one, auto answers fast (a few seconds on graphs of a few
+        thousand ops): short heuristic runs, no exact method, and at most a small share
+        of the time (and only up to :data:`BOUND_MAX_OPS` ops) for the lower bound. With
+        one, fast heuristics run first; exact methods and the bound get what is left.
     **options
         ``exact=False`` skips the exact methods; ``bound=False`` skips the lower bound.
 
@@ -63,7 +79,11 @@ def solve_auto(graph: ComputeGraph, budget: int, *, time_limit: float | None = N
     -------
     Schedule
         ``method == "auto:<winner>"``; ``info["auto"]`` has ``picked``, ``why`` and
-        ``tried`` (cost or error of every candidate).
+        ``tried`` (cost or error of every candidate). ``lower_bound`` is set only when
+        it holds for the schedule's order freedom: when every candidate kept the
+        reference order (``info["bound_scope"] == "fixed order"``) or when the schedule
+        has no extra compute (``"any order"``). When a candidate reordered, a
+        fixed-order bound goes to ``info["fixed_order_lower_bound"]`` instead.
 
     Raises
     ------
@@ -78,30 +98,38 @@ def solve_auto(graph: ComputeGraph, budget: int, *, time_limit: float | None = N
     >>> s.method.startswith("auto:"), s.info["auto"]["picked"] == s.method[5:]
     (True, True)
     """
-    from solver.methods.eviction import IndexedGraph, order_peak
+    from solver.methods.eviction import IndexedGraph, min_memory_order, order_peak
     from solver.methods.minpeak import min_peak_sequence
 
     t0 = _time.perf_counter()
     ix = IndexedGraph.of(graph)
     n = ix.n
-    limit = _default_limit(n) if time_limit is None else float(time_limit)
+    unlimited = time_limit is None
+    limit = _default_limit(n) if unlimited else float(time_limit)
     deadline = t0 + limit
-    use_exact = options.pop("exact", True)
+    use_exact = options.pop("exact", not unlimited)
     use_bound = options.pop("bound", True)
+    training = bool(graph.backward_nodes())
     tried: dict[str, object] = {}
+    reorders: dict[str, bool] = {}
     best: list = [None, None, None]  # schedule, key, why
+    found_at = [None]  # seconds until the winning schedule was found
 
     def consider(name: str, sched: Schedule | None, why: str) -> None:
         if sched is None:
             return
         r = simulate(graph, sched)
+        reorders[name] = _reorders(ix, sched.sequence)
         if not r.valid or r.peak_bytes > budget:
             tried[name] = f"rejected: {'invalid' if not r.valid else 'over budget'}"
+            log.warning("auto: %s returned %s on %s", name, r.error or "a schedule over the budget",
+                        graph.name or "the graph")
             return
         tried[name] = r.cost
         key = (r.cost, len(sched.sequence))
         if best[1] is None or key < best[1]:
             best[0], best[1], best[2] = sched, key, why
+            found_at[0] = _time.perf_counter() - t0
 
     def run(name: str, why: str, **kw) -> None:
         info = _registered(name)
@@ -115,32 +143,49 @@ def solve_auto(graph: ComputeGraph, budget: int, *, time_limit: float | None = N
     def left() -> float:
         return deadline - _time.perf_counter()
 
-    # 1. store-all
-    if order_peak(ix, range(n)) + ix.fixed <= budget:
+    def extra() -> bool:
+        return best[0] is None or best[1][0] > base * (1 + 1e-12)
+
+    base = graph.total("time")
+    ref_peak = order_peak(ix, range(n))
+    if ref_peak + ix.fixed <= budget:
+        # 1. store-all
         run("store_all", "the reference order fits the budget: no extra compute")
     else:
-        # 2. chains
-        run("chain_dp", "the graph is a chain of stages: the DP is optimal for chains",
-            time_limit=max(0.1, min(2.0, left())))
-        # 3. fast heuristics
+        # 2. eviction on the reference order: fast, near-optimal on training graphs
         run("eviction", "DTR-style eviction on the reference order",
-            time_limit=max(0.1, min(2.0, left())))
-        run("order_search", "memory-aware reordering removes recomputation",
-            time_limit=max(0.5, 0.6 * left()))
+            time_limit=max(0.1, min(1.0 if unlimited else 2.0, 0.2 * limit)))
+        # 3. the chain DP on training graphs that split into stages
+        if training and extra() and n <= CHAIN_DP_MAX_OPS:
+            run("chain_dp", "the graph is a chain of stages: the DP is optimal for chains",
+                time_limit=max(0.1, min(0.5, 0.1 * limit)))
+        # 4. order search where order freedom matters: forward-only graphs, or when a
+        #    low-memory order beats the reference peak
+        if extra():
+            free_peak = min(order_peak(ix, min_memory_order(ix, tie=t)) for t in ("ref", "depth"))
+            matters = not training or n <= SMALL_OPS or free_peak < ref_peak * (1 - ORDER_GAIN)
+            if matters:
+                share = 0.6 if not training else 0.3
+                cap_s = (2.0 if n <= 1000 else 4.0) if unlimited else limit
+                run("order_search", "memory-aware reordering removes recomputation",
+                    time_limit=max(0.3, min(cap_s, share * left())))
+            else:
+                tried["order_search"] = "skipped: reordering does not lower the peak"
         if best[0] is None:
             seq = min_peak_sequence(ix, budget, deadline=t0 + limit)
             if seq is not None:
                 consider("min_peak", Schedule(sequence=[ix.ids[i] for i in seq], method="min_peak",
                                               info={"order": "free"}),
                          "the low-memory recipe is the only one that fits")
-        # 4. exact methods on small graphs, warm-started
-        extra = best[0] is not None and best[1][0] > graph.total("time") * (1 + 1e-12)
-        if use_exact and n <= EXACT_MAX_OPS and left() > 1.0 and (best[0] is None or extra):
-            hint = best[0] if best[0] is not None and best[0].info.get("order") == "fixed" else None
+        # 5. exact methods on small graphs, warm-started
+        #    (also past the time limit when no heuristic fits: the only chance left)
+        rescue = best[0] is None
+        if n <= EXACT_MAX_OPS and (rescue or (use_exact and left() > 1.0 and extra())):
+            hint = best[0] if best[0] is not None and not reorders.get(best[0].method, True) else None
             for name in ("cpsat", "checkmate_milp"):
-                if left() <= 1.0:
+                if best[0] is not None and left() <= 1.0:
                     break
-                kw = {"time_limit": max(0.5, 0.5 * left())}
+                kw = {"time_limit": max(1.0 if best[0] is None else 0.5, 0.5 * left())}
                 if hint is not None:
                     kw["hint"] = hint
                 run(name, "exact method on a small graph, warm-started from the heuristics", **kw)
@@ -151,21 +196,53 @@ def solve_auto(graph: ComputeGraph, budget: int, *, time_limit: float | None = N
             f"(tried {', '.join(tried) or 'nothing'}); give more time or a larger budget"
         )
     picked = sched.method or next(k for k, v in tried.items() if v == key[0])
-    base = graph.total("time")
-    order_kind = sched.info.get("order", "fixed")
-    if sched.lower_bound is None or sched.lower_bound < base:
-        sched.lower_bound = base if key[0] <= base * (1 + 1e-12) else sched.lower_bound
-    if use_bound and sched.lower_bound is None and order_kind == "fixed" and left() > 1.0:
-        try:
-            from solver.methods import milp
-
-            lb = milp.lower_bound(graph, budget, time_limit=max(0.5, left()), order="fixed")
-            if lb is not None and math.isfinite(lb):
-                sched.lower_bound = min(float(lb), key[0])
-        except (ImportError, AttributeError, SolverError, ValueError) as exc:
-            log.debug("no lower bound for %s: %s", graph.name, exc)
     sched.info = dict(sched.info)
+    fixed_scope = not any(reorders.values())
+    elapsed = _time.perf_counter() - t0
+    bound = None
+    if key[0] <= base * (1 + 1e-12):
+        bound = base  # no extra compute: optimal for any order
+    elif sched.lower_bound is not None and sched.lower_bound >= base:
+        bound = float(sched.lower_bound) if fixed_scope or sched.info.get("bound_scope") == "free order" else None
+        if not fixed_scope and bound is None:
+            sched.info["fixed_order_lower_bound"] = float(sched.lower_bound)
+    if use_bound and bound is None and "fixed_order_lower_bound" not in sched.info:
+        # a small share of the time when no limit was given (solver.optimize calls auto)
+        b_time = min(2.0, max(0.2, 0.25 * elapsed)) if unlimited else left()
+        if b_time > 0.1 and (n <= BOUND_MAX_OPS or (not unlimited and b_time >= 5.0 and n <= BOUND_LIMITED_MAX_OPS)):
+            try:
+                from solver.methods import milp
+
+                lb = milp.lower_bound(graph, budget, time_limit=b_time, order="fixed")
+                if lb is not None and math.isfinite(lb):
+                    lb = min(float(lb), key[0])
+                    if fixed_scope:
+                        bound = lb
+                    else:
+                        sched.info["fixed_order_lower_bound"] = lb
+            except (ImportError, AttributeError, SolverError, ValueError) as exc:
+                log.debug("no lower bound for %s: %s", graph.name, exc)
+    sched.lower_bound = bound
+    if bound is not None:
+        sched.info["bound_scope"] = "any order" if key[0] <= base * (1 + 1e-12) else "fixed order"
     sched.info["auto"] = {"picked": picked, "why": why, "tried": tried, "ops": n,
-                          "time_limit": limit}
+                          "time_limit": limit, "schedule_seconds": elapsed,
+                          "winner_seconds": found_at[0], "reordered": {k: v for k, v in reorders.items()}}
     sched.method = f"auto:{picked}"
     return sched
+
+
+def _reorders(ix, sequence) -> bool:
+    """Whether ``sequence`` first runs the ops in another order than the reference one."""
+    index = {v: i for i, v in enumerate(ix.ids)}
+    seen = set()
+    expected = 0
+    for v in sequence:
+        i = index.get(v)
+        if i is None or i in seen:
+            continue
+        if i != expected:
+            return True
+        seen.add(i)
+        expected += 1
+    return False

@@ -70,6 +70,11 @@ class IndexedGraph:
         Values that must never be evicted (outputs and non-recomputable ops).
     fixed : int
         Bytes resident for the whole step.
+    recomputable : list of bool
+        ``False`` for ops that must run exactly once (random ops).
+    after : list of list of int
+        Extra ordering predecessors: ops whose first run must come before (from
+        ``graph.meta["ordered"]``, consecutive entries).
     """
 
     ids: list
@@ -81,6 +86,18 @@ class IndexedGraph:
     output: list
     pinned: list
     fixed: int
+    recomputable: list = None
+    after: list = None
+
+    def __post_init__(self):
+        if self.recomputable is None:
+            self.recomputable = [True] * len(self.ids)
+        if self.after is None:
+            self.after = [[] for _ in self.ids]
+        self.before = [[] for _ in self.ids]
+        for v, ps in enumerate(self.after):
+            for p in ps:
+                self.before[p].append(v)
 
     @classmethod
     def of(cls, graph: ComputeGraph) -> "IndexedGraph":
@@ -94,7 +111,13 @@ class IndexedGraph:
                 succs[p].append(i)
         nodes = graph.nx.nodes
         output = [bool(nodes[v].get("output", False)) for v in ids]
-        pinned = [o or not nodes[v].get("recomputable", True) for v, o in zip(ids, output)]
+        recomputable = [bool(nodes[v].get("recomputable", True)) for v in ids]
+        pinned = [o or not r for r, o in zip(recomputable, output)]
+        after: list[list[int]] = [[] for _ in ids]
+        chain = [index[v] for v in graph.meta.get("ordered") or () if v in index]
+        for a, b in zip(chain, chain[1:]):
+            if a != b:
+                after[b].append(a)
         return cls(
             ids=ids,
             preds=preds,
@@ -105,7 +128,28 @@ class IndexedGraph:
             output=output,
             pinned=pinned,
             fixed=graph.fixed_bytes,
+            recomputable=recomputable,
+            after=after,
         )
+
+    def order_preds(self, v: int) -> list[int]:
+        """Ops that must run before ``v`` first runs: data inputs and ordering constraints."""
+        return self.preds[v] + self.after[v] if self.after[v] else self.preds[v]
+
+    def order_succs(self, v: int) -> list[int]:
+        """Ops that must first run after ``v``: data readers and ordering constraints."""
+        return self.succs[v] + self.before[v] if self.before[v] else self.succs[v]
+
+    def is_order(self, order: Sequence[int]) -> bool:
+        """Whether ``order`` runs every op once, inputs and ordering constraints first."""
+        if len(order) != self.n:
+            return False
+        pos = [-1] * self.n
+        for i, v in enumerate(order):
+            if pos[v] >= 0:
+                return False
+            pos[v] = i
+        return all(pos[p] < pos[v] for v in range(self.n) for p in self.order_preds(v))
 
     @property
     def n(self) -> int:
@@ -181,6 +225,8 @@ class _Evictor:
         ]
         self.next_ptr = [0] * n
         self.res: set[int] = set()
+        self.lost = [False] * n      # evicted and impossible to recompute
+        self.held: set[int] = set()  # dead values kept because a needed one depends on them
         self.mem = 0
         self.seq: list[int] = []
         self.clock = 0
@@ -194,9 +240,59 @@ class _Evictor:
         self.res.discard(u)
         self.mem -= self.ix.nbytes[u]
 
+    def _stays_recoverable(self, u: int) -> bool:
+        """Whether ``u`` could be recomputed after leaving memory (it may run twice and
+        none of its inputs is lost)."""
+        if not self.ix.recomputable[u]:
+            return False
+        lost = self.lost
+        for p in self.ix.preds[u]:
+            if lost[p]:
+                return False
+        return True
+
+    def _lost_below(self, u: int) -> list[int] | None:
+        """Computed, evicted descendants of ``u`` that only ``u`` keeps recoverable, or None
+        when one of them (or ``u`` itself) is still needed, so that ``u`` must stay."""
+        ix, pending, out = self.ix, self.pending, self.ix.output
+        if pending[u] or out[u]:
+            return None
+        resident, computed, lost = self.resident, self.computed, self.lost
+        seen = {u}
+        todo = [u]
+        below = []
+        while todo:
+            x = todo.pop()
+            for s in ix.succs[x]:
+                if s in seen or resident[s] or lost[s] or not computed[s]:
+                    continue
+                if pending[s] or out[s]:
+                    return None
+                seen.add(s)
+                below.append(s)
+                todo.append(s)
+        return below
+
+    def _release(self, u: int) -> bool:
+        """Let ``u`` leave memory unless that would make a needed value unrecoverable."""
+        if self._stays_recoverable(u):
+            self._free(u)
+            return True
+        below = self._lost_below(u)
+        if below is None:
+            return False
+        self._free(u)
+        self.lost[u] = True
+        for s in below:
+            self.lost[s] = True
+        return True
+
     def _free_if_dead(self, u: int) -> None:
         if self.resident[u] and self.locks[u] == 0 and self.pending[u] == 0 and not self.ix.output[u]:
-            self._free(u)
+            if self._release(u):
+                self.held.discard(u)
+            else:
+                self.held.add(u)
 
     def _next_use(self, u: int) -> int:
         lst, k = self.next_sorted[u], self.next_ptr[u]
@@ -245,7 +341,7 @@ class _Evictor:
         best, best_s = -1, 0.0
         memo: dict = {}
         for u in self.res:
-            if locks[u] or pinned[u] or nb[u] == 0:
+            if locks[u] or pinned[u] or nb[u] == 0 or not self._stays_recoverable(u):
                 continue
             if sc == "dtr":
                 s = (tm[u] + self.eps) / (nb[u] * (self.clock - self.last[u] + 1))
@@ -273,6 +369,10 @@ class _Evictor:
     def _make_room(self, need: int) -> None:
         if self.mem + need > self.cap and self.deadline is not None and _time.perf_counter() > self.deadline:
             raise _Fail
+        if self.held and self.mem + need > self.cap:
+            for u in list(self.held):
+                if self.locks[u] == 0 and self._release(u):
+                    self.held.discard(u)
         while self.mem + need > self.cap:
             u = self._victim()
             if u < 0:
@@ -311,7 +411,7 @@ class _Evictor:
                     break
             frame[1] = i
             if i < len(ps):
-                if len(self.seq) >= self.max_steps:
+                if len(self.seq) >= self.max_steps or self.lost[ps[i]] or not ix.recomputable[ps[i]]:
                     raise _Fail
                 if self.deadline is not None and len(self.seq) % 64 == 0 and _time.perf_counter() > self.deadline:
                     raise _Fail
@@ -521,7 +621,7 @@ def min_memory_order(
     """
     n = ix.n
     nb, preds, succs, out = ix.nbytes, ix.preds, ix.succs, ix.output
-    indeg = [len(p) for p in preds]
+    indeg = [len(ix.order_preds(v)) for v in range(n)]
     pending = [len(s) for s in succs]
     ready = [v for v in range(n) if indeg[v] == 0]
     readied_at = [0] * n
@@ -556,7 +656,7 @@ def min_memory_order(
                 mem -= nb[p]
         if pending[best] == 0 and not out[best]:
             mem -= nb[best]
-        for s in succs[best]:
+        for s in ix.order_succs(best):
             indeg[s] -= 1
             if indeg[s] == 0:
                 ready.append(s)
@@ -596,10 +696,11 @@ def beam_order(
     for v in range(n):
         for s_ in succs[v]:
             smask[v] |= 1 << s_
-        for p in preds[v]:
+        for p in ix.order_preds(v):
             pmask[v] |= 1 << p
+    osuccs = [ix.order_succs(v) for v in range(n)]
     keeps = [0 if (not succs[v] and not out[v]) else nb[v] for v in range(n)]
-    start_ready = tuple(v for v in range(n) if not preds[v])
+    start_ready = tuple(v for v in range(n) if not pmask[v])
     # state: (done mask, ready tuple, live bytes, peak, chain)
     beam = [(0, start_ready, 0, 0, None)]
     for _ in range(n):
@@ -627,7 +728,7 @@ def beam_order(
                 continue
             seen.add(d2)
             r2 = [u for u in ready if u != v]
-            for s_ in succs[v]:
+            for s_ in osuccs[v]:
                 if d2 & pmask[s_] == pmask[s_]:
                     r2.append(s_)
             nxt.append((d2, tuple(r2), m2, pk, (v, chain)))
@@ -661,7 +762,8 @@ def _peak_profile(ix: IndexedGraph, order: Sequence[int]) -> list[int]:
 
 
 def improve_order(
-    ix: IndexedGraph, order: list[int], *, deadline: float, rng: random.Random, target: int | None = None
+    ix: IndexedGraph, order: list[int], *, deadline: float, rng: random.Random, target: int | None = None,
+    max_stall: int | None = None,
 ) -> list[int]:
     """Local search over topological orders: move one op at a time, keep moves that lower
     the store-all peak (then the sum of the profile above ``target``). Stops at ``deadline``
@@ -669,7 +771,8 @@ def improve_order(
     n = ix.n
     if n < 3:
         return order
-    preds, succs = ix.preds, ix.succs
+    preds = [ix.order_preds(v) for v in range(n)]
+    succs = [ix.order_succs(v) for v in range(n)]
 
     def key(o: list[int]) -> tuple:
         prof = _peak_profile(ix, o)
@@ -681,7 +784,8 @@ def improve_order(
     cur = list(order)
     cur_key = key(cur)
     stall = 0
-    while _time.perf_counter() < deadline and stall < 40 * n:
+    max_stall = min(40 * n, 4000) if max_stall is None else max_stall
+    while _time.perf_counter() < deadline and stall < max_stall:
         if target is not None and cur_key[0] <= target:
             break
         prof = _peak_profile(ix, cur)
@@ -744,6 +848,8 @@ def order_search(
     *,
     time_limit: float | None = None,
     seed: int = 0,
+    patience: int = 4,
+    stall: int | None = None,
     **_,
 ) -> Schedule:
     """Memory-aware order search, then eviction: zero recomputation where reordering suffices.
@@ -762,6 +868,12 @@ def order_search(
         Seconds for the search (default: 10).
     seed : int
         Seed of the randomised restarts.
+    patience : int
+        Stop the eviction passes after this many candidate orders in a row that do not
+        lower the cost.
+    stall : int, optional
+        Stop the local search after this many rejected moves in a row (default
+        ``min(40 n, 4000)``).
 
     Returns
     -------
@@ -796,33 +908,53 @@ def order_search(
     cap = int(budget_bytes) - ix.fixed
     orders = candidate_orders(ix, deadline=t0 + 0.1 * limit, seed=seed)
     # beam search with growing width while no order fits
+    # beam search with growing width while no order fits; stop widening once a wider
+    # beam no longer lowers the peak
     width = 16
-    while order_peak(ix, orders[0]) > cap and _time.perf_counter() < t0 + 0.5 * limit:
+    best_peak = order_peak(ix, orders[0])
+    while best_peak > cap and _time.perf_counter() < t0 + 0.5 * limit:
         o = beam_order(ix, width=width, target=cap, rng=rng, deadline=t0 + 0.5 * limit)
         if o is None:
             break
         orders.append(o)
         orders.sort(key=lambda x: order_peak(ix, x))
+        peak = order_peak(ix, orders[0])
+        if peak >= best_peak and width > 16 and width * ix.n > 20_000:
+            break  # wider beams cost more and stopped helping (small graphs keep widening)
+        best_peak = min(best_peak, peak)
         width *= 4
     if order_peak(ix, orders[0]) > cap:
-        better = improve_order(ix, orders[0], deadline=t0 + 0.6 * limit, rng=rng, target=cap)
+        better = improve_order(ix, orders[0], deadline=t0 + 0.6 * limit, rng=rng, target=cap,
+                               max_stall=stall)
         if order_peak(ix, better) < order_peak(ix, orders[0]):
             orders.insert(0, better)
+    # eviction on the reference order first, then on the orders by store-all peak; stop
+    # after ``patience`` orders in a row that do not improve
+    reference = list(range(ix.n))
+    orders = [reference] + [o for o in orders if o != reference]
     best, best_key, best_info = None, None, None
+    misses = 0
     for k, o in enumerate(orders):
-        if best is not None and _time.perf_counter() > deadline:
+        if best is not None and (_time.perf_counter() > deadline or misses >= patience):
             break
         if order_peak(ix, o) <= cap:
             seq, sc = list(o), "none"
         else:
             seq, sc = best_eviction(ix, o, budget_bytes, deadline=deadline)
             if seq is None:
+                if k:
+                    misses += 1
                 continue
         key = (_seq_cost(ix, seq), len(seq))
         if best_key is None or key < best_key:
+            if k and best_key is not None and key[0] >= best_key[0] * (1 - 1e-9):
+                misses += 1
+            else:
+                misses = 0 if k else misses
             best, best_key = seq, key
-            best_info = {"order": "free", "score": sc, "reordered": list(o) != list(range(ix.n)),
-                         "candidate": k}
+            best_info = {"order": "free", "score": sc, "reordered": k > 0, "candidate": k}
+        elif k:
+            misses += 1
         if len(seq) == ix.n:
             break  # no recomputation: cannot do better
     if best is None:

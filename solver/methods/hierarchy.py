@@ -120,6 +120,11 @@ def coarsen(graph: ComputeGraph, *, max_run: int = 64) -> Coarsening:
             held = (nodes[run[k - 1]]["bytes"] if k else 0) + nodes[x]["bytes"] + nodes[x].get("workspace", 0)
             extra = max(extra, held - nodes[last]["bytes"])
         data["workspace"] = int(extra)
+        if len(run) > 1:
+            # other members run between the projections of a multi-output op: charge the
+            # fused node its full workspace, never the cheaper ``run_workspace``
+            for key in ("group", "group_index", "run_workspace"):
+                data.pop(key, None)
         data["members"] = len(run)
         cg.add_node(last, **data)
     for u, v in g.edges:
@@ -192,7 +197,9 @@ def hierarchical(graph: ComputeGraph, budget_bytes: int, *, time_limit: float | 
     c = coarsen(graph)
     if c.fused:
         try:
-            inner = solve_auto(c.graph, int(budget_bytes), time_limit=time_limit, **options)
+            # a bound on the coarse graph is no bound on the original: skip it
+            inner = solve_auto(c.graph, int(budget_bytes), time_limit=time_limit,
+                               **{**options, "bound": False})
             grade(c.graph, inner, int(budget_bytes))
         except (NoScheduleFound, SolverError) as exc:
             # the fused workspaces are conservative: fall back to the original graph
