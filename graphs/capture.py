@@ -351,6 +351,7 @@ def capture(
     *,
     loss_fn: Callable[[Any], torch.Tensor] | None = None,
     backward: str = "loss",
+    inplace: str = "alias",
     hardware: str | Hardware | None = None,
     measure_time: bool | None = None,
     repeats: int = 5,
@@ -372,6 +373,10 @@ def capture(
         ``"outputs"``: the step returns the model's outputs and backward starts from
         their gradients (tangent inputs), as when the loss is computed outside the
         model; this is the graph that :mod:`graphs.graph_mode` runs.
+    inplace : {"alias", "functional"}
+        ``"alias"``: an op that was in-place in the model (``relu_``, ``add_``) shares
+        its input's storage, as in eager execution. ``"functional"``: it writes a new
+        tensor, as in the functionalized graphs that :mod:`graphs.graph_mode` runs.
     hardware : str or Hardware, optional
         Spec for roofline times when inputs are fake/meta (default ``"cpu"`` for CPU
         tensors, ``"h100-pcie5"`` otherwise).
@@ -444,7 +449,10 @@ def capture(
     except Exception as exc:
         raise _capture_error(exc, "tracing the forward (torch.export, non-strict)") from exc
     fwd = ep.module()
-    _mark_inplace(fwd)
+    if inplace == "alias":
+        _mark_inplace(fwd)
+    elif inplace != "functional":
+        raise ValueError(f"inplace must be 'alias' or 'functional', got {inplace!r}")
     input_indices = list(range(len(flat_in)))
     fwd_inputs = [n for n in fwd.graph.nodes if n.op == "placeholder"]
     if len(fwd_inputs) != len(input_indices):  # non-tensor leaves that export folded away
@@ -622,6 +630,13 @@ def _build(gm: torch.fx.GraphModule, storage: dict, *, name: str, shared: dict[s
             for n in {v.name, base_of.get(v.name, v.name)}:
                 if cg[n]["kind"] == "op":
                     cg[n]["output"] = True
+    # which output each tangent is the gradient of (descriptors of AOTAutograd's joint)
+    out_args = list(out_node.args[0]) if out_node.args and isinstance(out_node.args[0], (list, tuple)) else []
+    for node in gm.graph.nodes:
+        if node.op == "placeholder" and node.name in tangents:
+            idx = getattr(getattr(node.meta.get("desc"), "output", None), "idx", None)
+            if isinstance(idx, int) and idx < len(out_args) and isinstance(out_args[idx], torch.fx.Node):
+                cg[node.name]["grad_of"] = base_of.get(out_args[idx].name, out_args[idx].name)
     forward_outputs = [n for n in order if cg[n]["output"] and cg[n]["phase"] == "forward"]
     for t in tangents:
         for n in forward_outputs:
@@ -672,6 +687,7 @@ def _fold_multi_output_ops(cg: ComputeGraph, gm: torch.fx.GraphModule) -> None:
             d["workspace"] = int(parent["workspace"]) + total - b
             d["group"] = node.name
             d["group_index"] = i
+            d["group_time"] = float(parent["time"])
             d["run_workspace"] = int(parent["workspace"]) + after
             d["recomputable"] = parent["recomputable"]
             d["op"] = parent["op"]

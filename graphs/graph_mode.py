@@ -38,12 +38,6 @@ def _compiler(gm: torch.fx.GraphModule, example_inputs: Any) -> Any:
     return boxed(gm)
 
 
-def _compile_inductor(gm: torch.fx.GraphModule, example_inputs: Any) -> Any:
-    from torch._inductor.compile_fx import compile_fx_inner
-
-    return compile_fx_inner(gm, example_inputs)
-
-
 class ScheduledStep:
     """One captured step compiled to run ``sequence``.
 
@@ -53,8 +47,6 @@ class ScheduledStep:
         Captured with ``backward="outputs"`` (it carries ``capture_info``).
     sequence : sequence of node ids
         The schedule's steps.
-    compiler : {"eager", "inductor"}
-        How the forward and backward graphs run: fx code (default) or inductor.
 
     Attributes
     ----------
@@ -62,18 +54,16 @@ class ScheduledStep:
         The values the forward keeps for backward.
     """
 
-    def __init__(self, graph: ComputeGraph, sequence: Sequence[Hashable], *, compiler: str = "eager") -> None:
+    def __init__(self, graph: ComputeGraph, sequence: Sequence[Hashable]) -> None:
         from torch._functorch.aot_autograd import aot_compile_joint_with_descriptors
 
         info = graph.capture_info
         if info is None or info.backward != "outputs":
             raise RematError("ScheduledStep needs a graph captured with backward='outputs'")
-        if compiler not in ("eager", "inductor"):
-            raise ValueError(f"compiler must be 'eager' or 'inductor', got {compiler!r}")
         self.sequence = [str(s) for s in sequence]
         self.saved: list[str] = []
         self.info = info
-        comp = _compiler if compiler == "eager" else _compile_inductor
+        comp = _compiler
         with contextlib.ExitStack() as stack:
             jd = info.export_joint(stack)
             self.params_spec = list(jd.params_spec)

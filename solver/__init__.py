@@ -4,7 +4,7 @@ The algorithms see only a :class:`graphs.ComputeGraph` (pure graph math);
 :func:`solver.optimize` is the one place that joins them with torch.
 """
 
-from solver.errors import InfeasibleBudget, NoScheduleFound, RematError, SolverError
+from solver.errors import BudgetNotReached, InfeasibleBudget, NoScheduleFound, RematError, SolverError
 from solver.feasibility import peak_lower_bound
 from solver.registry import MethodInfo, get_method, methods, register, solve
 from solver.schedule import Action, Offload, Schedule, TensorDecision
@@ -25,6 +25,7 @@ def __getattr__(name):
 
 __all__ = [
     "Action",
+    "BudgetNotReached",
     "Estimate",
     "LayerAction",
     "LayerPolicy",

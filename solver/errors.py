@@ -5,7 +5,7 @@ from __future__ import annotations
 from graphs.errors import RematError
 from graphs.units import format_bytes
 
-__all__ = ["RematError", "SolverError", "InfeasibleBudget", "NoScheduleFound"]
+__all__ = ["RematError", "SolverError", "InfeasibleBudget", "NoScheduleFound", "BudgetNotReached"]
 
 
 class SolverError(RematError):
@@ -58,14 +58,31 @@ class InfeasibleBudget(RematError, ValueError):
         self.lower_bound_bytes = int(lower_bound_bytes if lower_bound_bytes is not None else smallest_feasible_bytes)
         self.proven = self.lower_bound_bytes >= self.smallest_feasible_bytes
         self.culprit = culprit
-        msg = (
-            f"budget {format_bytes(self.budget_bytes)} ({self.budget_bytes} B) is infeasible: "
-            f"the smallest feasible {what} is {format_bytes(self.smallest_feasible_bytes)} "
-            f"({self.smallest_feasible_bytes} B)"
-        )
+        if self.proven or self.budget_bytes < self.lower_bound_bytes:
+            msg = (
+                f"budget {format_bytes(self.budget_bytes)} ({self.budget_bytes} B) is infeasible: "
+                f"the smallest feasible {what} is {format_bytes(self.smallest_feasible_bytes)} "
+                f"({self.smallest_feasible_bytes} B)"
+            )
+        else:
+            msg = (
+                f"no schedule found within budget {format_bytes(self.budget_bytes)} ({self.budget_bytes} B): "
+                f"the smallest feasible {what} found is {format_bytes(self.smallest_feasible_bytes)} "
+                f"({self.smallest_feasible_bytes} B)"
+            )
         if not self.proven:
             msg += f"; no schedule can go below {format_bytes(self.lower_bound_bytes)} ({self.lower_bound_bytes} B)"
         if culprit is not None:
             msg += f"; op {culprit_name or culprit!r} alone needs its inputs + output resident"
         msg += ". Ask for at least the smallest feasible budget."
         super().__init__(msg)
+
+
+class BudgetNotReached(InfeasibleBudget, NoScheduleFound):
+    """No method reached the budget, which lies between the proven lower bound and the
+    smallest peak found: an :class:`InfeasibleBudget` for users (it names the smallest
+    feasible peak found) and a :class:`NoScheduleFound` for solver code."""
+
+    def __init__(self, budget_bytes: int, smallest_feasible_bytes: int, **kwargs) -> None:
+        InfeasibleBudget.__init__(self, budget_bytes, smallest_feasible_bytes, **kwargs)
+        self.best_peak = int(smallest_feasible_bytes)

@@ -116,6 +116,25 @@ class Report:
         return "\n".join(lines)
 
 
+#: bytes charged on top of the graph for the scalars autograd creates outside it (the
+#: gradient seed of ``loss.backward()``)
+_SEED_RESERVE = 64
+
+
+def _backward_from_loss(cg: ComputeGraph) -> None:
+    """When the model returns a scalar loss among its outputs (an HF ``ModelOutput`` with
+    ``loss``), training steps call ``loss.backward()``: the other outputs' gradients never
+    arrive, so their tangents take no memory. The outputs themselves stay resident (a
+    training loop usually holds the output object during backward)."""
+    tangents = [v for v in cg.ops if cg[v]["op"] == "tangent"]
+    scalar = [t for t in tangents if cg[t].get("grad_of") in cg.nx and cg[cg[t]["grad_of"]]["bytes"] <= 8]
+    if scalar and len(scalar) < len(tangents):
+        for t in tangents:
+            if t not in scalar:
+                cg[t]["bytes"] = 0
+        cg.meta["backward_from"] = "loss"
+
+
 def optimizer_state_bytes(optimizer: torch.optim.Optimizer | None, model: nn.Module) -> int:
     """Bytes of optimizer state during a step: measured when the state exists, else the
     steady state of the optimizer's kind (Adam/AdamW: two tensors per parameter; SGD
@@ -177,7 +196,6 @@ def optimize(
     optimizer: torch.optim.Optimizer | None = None,
     verify: bool = False,
     measure_time: bool | None = None,
-    compiler: str = "eager",
     blocks: list[str] | None = None,
 ) -> nn.Module:
     """Return a drop-in module whose training step fits ``budget_gb``.
@@ -219,8 +237,6 @@ def optimize(
     measure_time : bool, optional
         Time every op on the real device for the cost model (default: when the inputs
         are real tensors).
-    compiler : {"eager", "inductor"}
-        How graph mode runs its forward and backward graphs.
     blocks : list of str, optional
         Candidate blocks for module mode (default: the children of the model's longest
         ModuleList/Sequential).
@@ -263,13 +279,16 @@ def optimize(
     def plan(m: nn.Module, args: tuple, kwargs: dict):
         t0 = time.perf_counter()
         try:
-            cg = capture(m, _capture_inputs(args, kwargs), backward="outputs", measure_time=measure_time)
+            cg = capture(m, _capture_inputs(args, kwargs), backward="outputs", measure_time=measure_time,
+                         inplace="functional" if mode == "graph" else "alias")
         except CaptureError as exc:
             if mode == "graph" and "mode='module'" not in str(exc):
                 raise CaptureError(f"{exc} (graph mode needs one graph of the step; mode='module' "
                                    "plans at layer level instead)") from exc
             raise
-        cg.meta["extra_fixed_bytes"] = opt_bytes
+        cg.meta["extra_fixed_bytes"] = opt_bytes + _SEED_RESERVE
+        if mode == "module":  # eager autograd; AOTAutograd's runtime materializes zero tangents
+            _backward_from_loss(cg)
         capture_s = time.perf_counter() - t0
         store_all = simulate(cg, cg.order).peak_bytes
         budget = int(budget_bytes)
@@ -280,7 +299,7 @@ def optimize(
             budget = budget + cg.fixed_bytes + grads
         t1 = time.perf_counter()
         if mode == "graph":
-            out = _plan_graph(cg, budget, act_budget, store_all, capture_s, t1, method, time_limit, compiler, state)
+            out = _plan_graph(cg, budget, act_budget, store_all, capture_s, t1, method, time_limit, state)
         else:
             out = _plan_module(m, cg, budget, act_budget, store_all, capture_s, t1, blocks, time_limit, state)
         if state.get("wrapper") is not None:
@@ -312,7 +331,7 @@ def optimize(
     return wrapper
 
 
-def _plan_graph(cg, budget, act_budget, store_all, capture_s, t1, method, time_limit, compiler, state):
+def _plan_graph(cg, budget, act_budget, store_all, capture_s, t1, method, time_limit, state):
     check_budget(cg, budget)  # raises InfeasibleBudget naming the smallest feasible peak
     from solver.methods.minpeak import smallest_feasible_peak
 
@@ -321,9 +340,10 @@ def _plan_graph(cg, budget, act_budget, store_all, capture_s, t1, method, time_l
         schedule = solve(cg, budget, method="store_all")
     else:
         schedule = solve(cg, budget, method=method, time_limit=time_limit)
+    schedule = _one_run_per_op(cg, schedule, budget)
     solve_s = time.perf_counter() - t1
     eager = schedule.sequence == list(cg.order)
-    step = _EagerStep() if eager else ScheduledStep(cg, schedule.sequence, compiler=compiler)
+    step = _EagerStep() if eager else ScheduledStep(cg, schedule.sequence)
     report = Report(
         mode="graph", method=schedule.method, budget_bytes=budget, predicted_peak_bytes=schedule.peak_bytes,
         store_all_peak_bytes=store_all, smallest_feasible_bytes=min(low, store_all),
@@ -336,6 +356,23 @@ def _plan_graph(cg, budget, act_budget, store_all, capture_s, t1, method, time_l
         report.notes.append("the store-all schedule fits: the step runs the original forward, no recomputation")
     state["report"] = report
     return step
+
+
+def _one_run_per_op(cg: ComputeGraph, schedule: Schedule, budget: int) -> Schedule:
+    """Compute the outputs of a multi-output op in one run where the budget allows (a
+    schedule that splits them would run the op again for each)."""
+    from solver.plans import group_projection_runs
+    from solver.registry import grade
+
+    seq = group_projection_runs(cg, schedule.sequence)
+    if seq == schedule.sequence:
+        return schedule
+    r = simulate(cg, seq)
+    if not r.valid or r.peak_bytes > budget:
+        return schedule
+    regrouped = Schedule(sequence=seq, method=schedule.method, lower_bound=schedule.lower_bound,
+                         info=dict(schedule.info, regrouped=True))
+    return grade(cg, regrouped, budget, solve_seconds=schedule.solve_seconds)
 
 
 class _EagerStep:
@@ -467,7 +504,9 @@ def _verify_into(module, original, example_inputs, report, *, loss_fn=None, repe
         if torch.cuda.is_available():
             torch.cuda.synchronize()
         with MemoryTracker(module, example_inputs) as tracker:
-            loss_fn(_call(module, example_inputs)).backward()
+            out = _call(module, example_inputs)  # held during backward, as a training loop does
+            loss_fn(out).backward()
+            del out
         peak = tracker.peak_bytes + (report.graph.meta.get("extra_fixed_bytes", 0) if report.graph is not None else 0)
         if tracker.cuda_peak_bytes is not None:
             report.notes.append(f"CUDA max_memory_allocated {format_bytes(tracker.cuda_peak_bytes)}")
@@ -483,7 +522,9 @@ def _verify_into(module, original, example_inputs, report, *, loss_fn=None, repe
             for p in params + oparams:
                 p.grad = None
             with MemoryTracker(original, example_inputs) as t2:
-                loss_fn(_call(original, example_inputs)).backward()
+                out = _call(original, example_inputs)
+                loss_fn(out).backward()
+                del out
             for p, g in zip(oparams, osaved):
                 p.grad = g
             with torch.no_grad():

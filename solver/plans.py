@@ -27,6 +27,7 @@ from solver.errors import NoScheduleFound
 from solver.simulate import simulate
 
 __all__ = [
+    "group_projection_runs",
     "Stage",
     "forward_stages",
     "forced_keep",
@@ -409,3 +410,49 @@ def cheapest_fitting(
     info = dict(info)
     info["candidates"] = tried
     return seq, info
+
+
+def group_projection_runs(graph: ComputeGraph, sequence: Sequence[Hashable]) -> list:
+    """Move the first computation of every projection of a multi-output op (node
+    attribute ``group``) next to its first-computed sibling, in group order, so that one
+    run of the op yields them all instead of running it again for each.
+
+    The result has the same steps; whether it still fits is the simulator's call.
+
+    Examples
+    --------
+    >>> g = ComputeGraph()
+    >>> g.add_node("x", bytes=1); g.add_node("p0", bytes=1, group="t", group_index=0)
+    >>> g.add_node("y", bytes=1); g.add_node("p1", bytes=1, group="t", group_index=1)
+    >>> g.add_edge("x", "p0"); g.add_edge("x", "p1"); g.add_edge("x", "y")
+    >>> group_projection_runs(g, ["x", "p0", "y", "p1"])
+    ['x', 'p0', 'p1', 'y']
+    """
+    nodes = graph.nx.nodes
+    seen: set = set()
+    first_index: dict = {}
+    for i, v in enumerate(sequence):
+        if v not in seen:
+            seen.add(v)
+            first_index[v] = i
+    members: dict = {}
+    for v in first_index:
+        grp = nodes[v].get("group") if v in nodes else None
+        if grp is not None:
+            members.setdefault(grp, []).append(v)
+    moved: dict = {}  # step index of the anchor -> siblings to emit right after it
+    skip: set = set()
+    for grp, vs in members.items():
+        if len(vs) < 2:
+            continue
+        vs.sort(key=lambda v: nodes[v].get("group_index", 0))
+        anchor = min(first_index[v] for v in vs)
+        skip.update(first_index[v] for v in vs)
+        moved[anchor] = vs
+    out = []
+    for i, v in enumerate(sequence):
+        if i in moved:
+            out.extend(moved[i])
+        elif i not in skip:
+            out.append(v)
+    return out

@@ -15,7 +15,7 @@ from dataclasses import dataclass
 from typing import Callable
 
 from graphs import ComputeGraph
-from solver.errors import InfeasibleBudget, SolverError
+from solver.errors import BudgetNotReached, InfeasibleBudget, NoScheduleFound, SolverError
 from solver.feasibility import peak_lower_bound
 from solver.schedule import Schedule
 from solver.simulate import simulate
@@ -123,7 +123,8 @@ def _infeasible(graph: ComputeGraph, budget: int) -> InfeasibleBudget:
 
     found, lb, culprit = smallest_feasible_peak(graph)
     name = graph[culprit].get("name") or graph[culprit].get("op") if culprit is not None else None
-    return InfeasibleBudget(
+    cls = InfeasibleBudget if budget < lb else BudgetNotReached
+    return cls(
         budget, found, lower_bound_bytes=lb, culprit=culprit, culprit_name=f"{culprit!r} ({name})" if name else None
     )
 
@@ -175,14 +176,22 @@ def solve(
     """
     budget = check_budget(graph, budget_bytes)
     t0 = time.perf_counter()
-    if method == "auto":
-        from solver.methods.auto import solve_auto
+    try:
+        if method == "auto":
+            from solver.methods.auto import solve_auto
 
-        schedule = solve_auto(graph, budget, time_limit=time_limit, **options)
-    else:
-        info = get_method(method)
-        schedule = info.fn(graph, budget, time_limit=time_limit, **options)
-        schedule.method = schedule.method or method
+            schedule = solve_auto(graph, budget, time_limit=time_limit, **options)
+        else:
+            info = get_method(method)
+            schedule = info.fn(graph, budget, time_limit=time_limit, **options)
+            schedule.method = schedule.method or method
+    except NoScheduleFound:
+        # below the smallest peak any schedule is known to reach, say so with that figure
+        from solver.methods.minpeak import smallest_feasible_peak
+
+        if budget < smallest_feasible_peak(graph)[0]:
+            raise _infeasible(graph, budget) from None
+        raise
     elapsed = time.perf_counter() - t0
     return grade(graph, schedule, budget, solve_seconds=elapsed)
 

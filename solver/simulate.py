@@ -12,7 +12,8 @@ Memory model (the same one the public benchmark graphs use):
   of the op at ``t`` and its new output included) plus the op's workspace. The peak is
   the maximum over steps. Projections of one multi-output op (node attribute
   ``group``) that directly follow each other in group order are one run of the op:
-  a later one is charged ``run_workspace`` instead of ``workspace``.
+  a later one is charged ``run_workspace`` instead of ``workspace``, and no time; the
+  projection that starts a run pays the whole op (``group_time``, when given).
 * An op is valid only when every op it reads has a live, on-device copy, and the
   nodes listed in ``graph.meta["ordered"]`` (random ops, which draw from one
   generator) first run in that order.
@@ -243,10 +244,9 @@ def simulate(
             delta[lo2] -= b
             delta[hi2 + 1] += b
     curve = np.cumsum(delta[:n_steps]) + fixed
-    compute = np.array(
-        [float(nodes[v]["time"]) if v in nodes else 0.0 for v in sequence], dtype=float
-    )
-    workspace = np.array([_workspace(nodes, sequence, t) for t in range(n_steps)], dtype=np.int64)
+    runs = [_continues_run(nodes, sequence, t) for t in range(n_steps)]
+    compute = np.array([_time(nodes, sequence[t], runs[t]) for t in range(n_steps)], dtype=float)
+    workspace = np.array([_workspace(nodes, sequence[t], runs[t]) for t in range(n_steps)], dtype=np.int64)
     curve = curve + workspace
     if offloads and bandwidth:
         step_cost = np.maximum(compute, np.maximum(d2h, h2d) / bandwidth)
@@ -270,17 +270,33 @@ def simulate(
     )
 
 
-def _workspace(nodes, sequence, t: int) -> int:
-    """Workspace of step ``t``. Projections of one multi-output op (same ``group``) that
-    follow each other in group order are one run of the op: a later one is charged only
-    for the outputs still to come (``run_workspace``), the earlier ones being live nodes."""
-    v = sequence[t]
+def _continues_run(nodes, sequence, t: int) -> bool:
+    """Does step ``t`` continue a run of a multi-output op (it follows an earlier
+    projection of the same ``group`` directly)?"""
+    if t == 0 or sequence[t] not in nodes or sequence[t - 1] not in nodes:
+        return False
+    d, prev = nodes[sequence[t]], nodes[sequence[t - 1]]
+    group = d.get("group")
+    return group is not None and prev.get("group") == group and prev.get("group_index", 0) < d.get("group_index", 0)
+
+
+def _time(nodes, v, continues: bool) -> float:
+    """A projection that starts a run of its op pays the whole op (``group_time``); one
+    that continues the run pays nothing more. Other nodes pay their ``time``."""
+    if v not in nodes:
+        return 0.0
+    d = nodes[v]
+    if d.get("group") is not None and "group_time" in d:
+        return 0.0 if continues else float(d["group_time"])
+    return float(d["time"])
+
+
+def _workspace(nodes, v, continues: bool) -> int:
+    """Workspace of a step: a projection that continues a run is charged only for the
+    outputs still to come (``run_workspace``), the earlier ones being live nodes."""
     if v not in nodes:
         return 0
     d = nodes[v]
-    group = d.get("group")
-    if group is not None and t > 0:
-        prev = nodes.get(sequence[t - 1]) if sequence[t - 1] in nodes else None
-        if prev is not None and prev.get("group") == group and prev.get("group_index", 0) < d.get("group_index", 0):
-            return int(d.get("run_workspace", d.get("workspace", 0)))
+    if continues:
+        return int(d.get("run_workspace", d.get("workspace", 0)))
     return int(d.get("workspace", 0))

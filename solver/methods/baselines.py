@@ -25,7 +25,9 @@ from solver.plans import (
     sequence_from_keep,
     stage_regions,
 )
+from solver.errors import NoScheduleFound
 from solver.registry import register
+from solver.simulate import simulate
 from solver.schedule import Schedule
 
 __all__ = ["store_all", "checkpoint_all", "every_k", "chen_sqrt", "chen_greedy"]
@@ -41,7 +43,13 @@ def store_all(graph: ComputeGraph, budget_bytes: int | None = None, *, time_limi
     >>> store_all(g).sequence
     ['a', 'b']
     """
-    return Schedule(sequence=list(graph.order), method="store_all", lower_bound=graph.total("time"),
+    sequence = list(graph.order)
+    if budget_bytes is not None:
+        peak = simulate(graph, sequence).peak_bytes
+        if peak > budget_bytes:
+            raise NoScheduleFound(f"store_all peaks at {peak} B, over the budget of {int(budget_bytes)} B; "
+                                  "use a method that recomputes (e.g. method='auto')", best_peak=peak)
+    return Schedule(sequence=sequence, method="store_all", lower_bound=graph.total("time"),
                     info={"order": "fixed"})
 
 

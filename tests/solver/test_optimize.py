@@ -34,7 +34,7 @@ def _call(model, inputs):
 
 def _peaks(name):
     model, inputs = ZOO[name]()
-    cg = capture(model, inputs, backward="outputs", measure_time=False)
+    cg = capture(model, inputs, backward="outputs", measure_time=False, inplace="functional")
     return simulate(cg, cg.order).peak_bytes, smallest_feasible_peak(cg)[0]
 
 
@@ -51,6 +51,7 @@ def _budget(name, frac):
 def _check(name, frac, mode):
     model, inputs = ZOO[name]()
     ref = copy.deepcopy(model)
+    ref2 = copy.deepcopy(model)  # tells deterministic ops from nondeterministic ones
     budget = _budget(name, frac)
     before = {k: v.clone() for k, v in model.state_dict().items()}
     try:
@@ -68,21 +69,27 @@ def _check(name, frac, mode):
     report = solver.verify(fast, inputs)
     assert report.measured_peak_bytes <= report.budget_bytes, str(report)
     assert report.measured_peak_bytes == pytest.approx(report.predicted_peak_bytes, rel=0.05), str(report)
-    opt_a = torch.optim.SGD(model.parameters(), lr=0.05)
-    opt_b = torch.optim.SGD(ref.parameters(), lr=0.05)
+    opts = [torch.optim.SGD(m.parameters(), lr=1e-3) for m in (model, ref, ref2)]
     for step in range(3):
-        torch.manual_seed(step)
-        la = default_loss(_call(fast, inputs))
-        la.backward()
-        torch.manual_seed(step)
-        lb = default_loss(_call(ref, inputs))
-        lb.backward()
-        assert torch.equal(la, lb), (step, la.item(), lb.item())
+        losses = []
+        for m in (fast, ref, ref2):
+            torch.manual_seed(step)
+            loss = default_loss(_call(m, inputs))
+            loss.backward()
+            losses.append(loss)
+        # bitwise where the original itself is deterministic (CPU convolution and
+        # embedding backward may reduce in a different order from run to run)
+        exact = torch.equal(losses[1], losses[2]) and all(
+            torch.equal(b.grad, c.grad) for b, c in zip(ref.parameters(), ref2.parameters()))
+        same = torch.equal if exact else (lambda x, y: torch.allclose(x, y, rtol=1e-4, atol=1e-6))
+        assert same(losses[0], losses[1]), (step, losses[0].item(), losses[1].item())
         for (pname, a), b in zip(model.named_parameters(), ref.parameters()):
-            assert torch.equal(a.grad, b.grad), (step, pname)
+            assert same(a.grad, b.grad), (step, pname, exact)
         for a, b in zip(model.buffers(), ref.buffers()):
-            assert torch.equal(a, b)  # BatchNorm statistics updated once per step
-        opt_a.step(), opt_b.step(), opt_a.zero_grad(), opt_b.zero_grad()
+            assert same(a, b)  # BatchNorm statistics updated once per step
+        for o in opts:
+            o.step()
+            o.zero_grad()
     return report
 
 
