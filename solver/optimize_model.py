@@ -21,12 +21,13 @@ from typing import Any, Callable
 import torch
 from torch import nn
 
-from graphs import CaptureError, ComputeGraph
+from graphs import CaptureError, ComputeGraph, RematError
 from graphs.capture import capture, default_loss
 from graphs.graph_mode import ScheduledStep, wrap_graph_mode
 from graphs.memory import MemoryTracker
 from graphs.module_mode import apply_module_plan, layer_blocks
 from graphs.units import GiB, format_bytes
+from solver.errors import SolverError
 from solver.module_plan import ModulePlan, plan_modules
 from solver.registry import check_budget, solve
 from solver.schedule import Schedule
@@ -197,6 +198,7 @@ def optimize(
     verify: bool = False,
     measure_time: bool | None = None,
     blocks: list[str] | None = None,
+    self_check: bool = True,
 ) -> nn.Module:
     """Return a drop-in module whose training step fits ``budget_gb``.
 
@@ -240,6 +242,10 @@ def optimize(
     blocks : list of str, optional
         Candidate blocks for module mode (default: the children of the model's longest
         ModuleList/Sequential).
+    self_check : bool
+        Graph mode: before handing the rewrite out, run one step of it and one of the
+        original on the example batch and compare loss and gradients; a schedule that
+        fails is replaced by the next method (or an error is raised).
 
     Returns
     -------
@@ -300,6 +306,25 @@ def optimize(
         t1 = time.perf_counter()
         if mode == "graph":
             out = _plan_graph(cg, budget, act_budget, store_all, capture_s, t1, method, time_limit, state)
+            if isinstance(out, ScheduledStep) and self_check and not _reproduces(m, out, args, kwargs):
+                # a rewrite that does not give the model's gradients is never handed out
+                first = state["report"].method
+                out = None
+                if method == "auto":
+                    for fallback in ("order_search", "chain_dp", "checkpoint_all"):
+                        try:
+                            cand = _plan_graph(cg, budget, act_budget, store_all, capture_s, t1, fallback,
+                                               time_limit, state)
+                        except RematError:
+                            continue
+                        if not isinstance(cand, ScheduledStep) or _reproduces(m, cand, args, kwargs):
+                            out = cand
+                            state["report"].notes.append(
+                                f"the {first} schedule failed the gradient self-check; using {fallback}")
+                            break
+                if out is None:
+                    raise SolverError(f"the graph-mode rewrite ({first}) does not reproduce the model's "
+                                      "gradients on the example batch; use mode='module' (please report this)")
         else:
             out = _plan_module(m, cg, budget, act_budget, store_all, capture_s, t1, blocks, time_limit, state)
         if state.get("wrapper") is not None:
@@ -356,6 +381,37 @@ def _plan_graph(cg, budget, act_budget, store_all, capture_s, t1, method, time_l
         report.notes.append("the store-all schedule fits: the step runs the original forward, no recomputation")
     state["report"] = report
     return step
+
+
+def _reproduces(model: nn.Module, step: ScheduledStep, args: tuple, kwargs: dict) -> bool:
+    """One step of the rewrite against eager on the example batch: same loss and
+    gradients (to float tolerance). Gradients, buffers and the RNG are left as found."""
+    flat = [t for t in (list(args) + list(kwargs.values())) if isinstance(t, torch.Tensor)]
+    if any(t.device.type == "meta" or type(t).__name__ == "FakeTensor" for t in flat):
+        return True  # nothing real to run
+    params = [p for p in model.parameters()]
+    saved = [p.grad for p in params]
+    buffers = [(b, b.detach().clone()) for b in model.buffers()]
+    try:
+        results = []
+        for run in (lambda: step(model, args, kwargs), lambda: type(model).forward(model, *args, **kwargs)):
+            for p in params:
+                p.grad = None
+            with torch.random.fork_rng():
+                torch.manual_seed(1234)
+                loss = default_loss(run())
+                loss.backward()
+            results.append((loss.detach(), [None if p.grad is None else p.grad.detach().clone() for p in params]))
+            with torch.no_grad():
+                for b, v in buffers:
+                    b.copy_(v)
+        (la, ga), (lb, gb) = results
+        close = lambda x, y: x is None and y is None or (  # noqa: E731
+            x is not None and y is not None and torch.allclose(x, y, rtol=1e-3, atol=1e-5, equal_nan=True))
+        return close(la, lb) and all(close(x, y) for x, y in zip(ga, gb))
+    finally:
+        for p, g in zip(params, saved):
+            p.grad = g
 
 
 def _one_run_per_op(cg: ComputeGraph, schedule: Schedule, budget: int) -> Schedule:
