@@ -33,7 +33,7 @@ __all__ = ["solve_auto", "EXACT_MAX_OPS", "CHAIN_DP_MAX_OPS", "ORDER_GAIN", "BOU
 log = logging.getLogger(__name__)
 
 #: Graphs with at most this many ops get an exact method when time is left.
-EXACT_MAX_OPS = 60
+EXACT_MAX_OPS = 120
 #: Training graphs with at most this many ops also try ``chain_dp``.
 CHAIN_DP_MAX_OPS = 120
 #: Order search runs on a training graph only when a greedy low-memory order lowers the
