@@ -10,8 +10,9 @@ from pathlib import Path
 import pytest
 
 from solver.cli import main
+from tests.paths import BENCHMARK_GRAPHS
 
-GRAPHS = Path("/work/shared/benchmarks/graphs")
+GRAPHS = BENCHMARK_GRAPHS
 VGG = GRAPHS / "VGG16_256_224_224_3_train.json"
 LLAMA = ["llama", "--layers", "8", "--hidden", "1024", "--heads", "16", "--kv-heads", "4", "--ffn", "2816",
          "--vocab", "32000", "--seq", "2048", "--micro-batch", "2", "--dtype", "bf16"]

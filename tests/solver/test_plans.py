@@ -10,6 +10,7 @@ from graphs import ComputeGraph
 from solver import simulate
 from solver.plans import forced_keep, forward_stages, sequence_from_keep, stage_regions
 from solver.synthetic import random_training_graph, training_chain
+from tests.paths import BENCHMARK_GRAPHS
 
 
 def test_training_chain_stages():
@@ -93,8 +94,8 @@ def test_stages_are_consistent(n, seed):
 
 
 def test_benchmark_graphs_have_stage_chains():
-    paths = sorted(glob.glob("/work/shared/benchmarks/graphs/*_train.json"))
-    assert paths, "the public benchmark graphs are missing from /work/shared/benchmarks/graphs"
+    paths = sorted(glob.glob(str(BENCHMARK_GRAPHS / "*_train.json")))
+    assert paths, f"the public benchmark graphs are missing from {BENCHMARK_GRAPHS}"
     for p in paths:
         g = ComputeGraph.load(p)
         stages = forward_stages(g)
