@@ -251,6 +251,7 @@ def _emit(g: fx.Graph, node: fx.Node, env: dict[str, fx.Node], scheduled: set[st
         if u.name not in env:
             resolve(u)
     new = g.node_copy(node, lambda n: env[n.name])
+    new.meta["remat_source"] = node.name
     env[node.name] = new
     # unscheduled projections of a recomputed multi-output op must read the new copy,
     # and so must views: a view of an older copy would keep that copy's storage alive
