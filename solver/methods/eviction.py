@@ -23,12 +23,11 @@ by the simulator in :func:`solver.solve`.
 
 from __future__ import annotations
 
-import heapq
 import logging
 import random
 import time as _time
 from dataclasses import dataclass
-from typing import Hashable, Sequence
+from typing import Sequence
 
 from graphs import ComputeGraph
 from solver.errors import NoScheduleFound
@@ -177,21 +176,7 @@ def order_peak(ix: IndexedGraph, order: Sequence[int]) -> int:
     >>> order_peak(ix, [0, 1, 2])
     5
     """
-    pending = [len(s) for s in ix.succs]
-    nb, preds, out, ws = ix.nbytes, ix.preds, ix.output, ix.workspace
-    mem = peak = 0
-    for v in order:
-        step = mem + nb[v] + ws[v]
-        if step > peak:
-            peak = step
-        mem += nb[v]
-        for p in preds[v]:
-            pending[p] -= 1
-            if pending[p] == 0 and not out[p]:
-                mem -= nb[p]
-        if pending[v] == 0 and not out[v]:
-            mem -= nb[v]
-    return peak
+    return max(_peak_profile(ix, order), default=0)
 
 
 class _Fail(Exception):
@@ -745,6 +730,7 @@ def beam_order(
 
 
 def _peak_profile(ix: IndexedGraph, order: Sequence[int]) -> list[int]:
+    """Bytes in use at each step of ``order`` run once, store-all (fixed bytes excluded)."""
     pending = [len(s) for s in ix.succs]
     nb, preds, out, ws = ix.nbytes, ix.preds, ix.output, ix.workspace
     mem = 0
