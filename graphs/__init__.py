@@ -6,12 +6,12 @@ torch-dependent names below are imported on first use, so ``import graphs`` stay
 of torch.
 """
 
-from graphs.compute_graph import SCHEMA_VERSION, ComputeGraph
+from graphs.compute_graph import BACKWARD_START, SCHEMA_VERSION, ComputeGraph
 from graphs.errors import CaptureError, GraphFormatError, RematError
 from graphs.hardware import Hardware, get_hardware
 
 __all__ = [
-    "ComputeGraph", "SCHEMA_VERSION", "CaptureError", "GraphFormatError", "RematError",
+    "ComputeGraph", "SCHEMA_VERSION", "BACKWARD_START", "CaptureError", "GraphFormatError", "RematError",
     "Hardware", "get_hardware", "capture", "MemoryTracker", "SavedTensorCounter", "measure_peak",
 ]
 

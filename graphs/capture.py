@@ -41,7 +41,7 @@ import torch.fx.traceback as fx_traceback
 from torch.utils import _pytree as pytree
 
 from graphs import costs
-from graphs.compute_graph import ComputeGraph
+from graphs.compute_graph import BACKWARD_START, ComputeGraph
 from graphs.errors import CaptureError
 from graphs.hardware import Hardware, get_hardware
 
@@ -644,15 +644,37 @@ def _build(gm: torch.fx.GraphModule, storage: dict, *, name: str, shared: dict[s
     # in the reference order the tangents come right after the last forward output
     rest = [n for n in order if n not in set(tangents)]
     cut = max((i + 1 for i, n in enumerate(rest) if n in set(forward_outputs)), default=0)
-    order[:] = rest[:cut] + tangents + rest[cut:]
+    start = _add_backward_start(cg, tangents)
+    order[:] = rest[:cut] + tangents + ([start] if start else []) + rest[cut:]
     _fold_multi_output_ops(cg, gm)
     # random ops draw from one generator: a schedule must keep their relative order to
     # draw the same numbers as eager (checked by the simulator; not a data edge, which
     # would tie distant blocks together)
-    cg.meta["ordered"] = [n for n in order if n in cg.nx and cg[n]["op"] != "tangent"
+    cg.meta["ordered"] = [n for n in order if n in cg.nx and cg[n]["op"] not in ("tangent", BACKWARD_START)
                           and not cg[n]["recomputable"] and cg[n].get("group") is None]
     cg.order = [n for n in order if n in cg.nx]
     return cg
+
+
+def _add_backward_start(cg: ComputeGraph, tangents: list[str]) -> str | None:
+    """Every output gradient arrives when the backward starts, all at once, and stays
+    until its last use. A zero-byte op that reads every tangent and that every first
+    backward op reads makes schedules say so: no backward op runs before all tangents,
+    so no schedule can count a gradient as arriving later than it does."""
+    if not tangents:
+        return None
+    cg.add_node(BACKWARD_START, kind="op", phase="backward", op=BACKWARD_START, bytes=0, time=0.0,
+                recomputable=False, name="the backward starts: every output gradient has arrived")
+    for t in tangents:
+        cg.add_edge(t, BACKWARD_START)
+    for v in list(cg.nx.nodes):
+        d = cg[v]
+        if d["kind"] != "op" or d["phase"] != "backward" or d["op"] in ("tangent", BACKWARD_START):
+            continue
+        if not any(cg.is_op(u) and cg[u]["phase"] == "backward" and cg[u]["op"] != "tangent"
+                   for u in cg.nx.predecessors(v)):
+            cg.add_edge(BACKWARD_START, v)
+    return BACKWARD_START
 
 
 def _fold_multi_output_ops(cg: ComputeGraph, gm: torch.fx.GraphModule) -> None:

@@ -33,6 +33,11 @@ the training step (a parameter, a buffer, an input, or the output of one op); an
     whole op; projections that follow each other in ``group_index`` order are one run,
     and a later one needs only ``run_workspace`` (see :mod:`solver.simulate`).
 
+A captured step has two more kinds of op node: each gradient of an output that arrives
+from outside (``op="tangent"``, reading the forward outputs), and one zero-byte node
+``BACKWARD_START`` that reads every tangent and that every first backward op reads, so
+that all output gradients arrive together before any backward op runs, as they do.
+
 The graph attribute ``order`` is the reference topological order of the op nodes, the
 order that a store-all step runs them in. ``meta["ordered"]`` (optional) lists nodes
 that every schedule must first run in that relative order (random ops).
@@ -50,9 +55,11 @@ import networkx as nx
 from graphs.errors import GraphFormatError
 from graphs.units import format_bytes as _fmt_bytes, format_count as _fmt_num
 
-__all__ = ["ComputeGraph", "SCHEMA_VERSION"]
+__all__ = ["ComputeGraph", "SCHEMA_VERSION", "BACKWARD_START"]
 
 SCHEMA_VERSION = 1
+#: Node id (and ``op``) of the step where the backward starts; it has no fx node.
+BACKWARD_START = "<backward>"
 
 SOURCE_KINDS = ("param", "buffer", "input")
 _DEFAULTS: dict[str, Any] = {
@@ -267,7 +274,7 @@ class ComputeGraph:
 
     @classmethod
     def from_dict(cls, data: dict[str, Any], *, name: str = "") -> "ComputeGraph":
-        graph_attrs = data.get("graph", {}) or {}
+        graph_attrs = dict(data.get("graph", {}) or {})  # networkx may adopt (and we clear) the original
         if "remat_schema" in graph_attrs:
             version = graph_attrs["remat_schema"]
             if version > SCHEMA_VERSION:

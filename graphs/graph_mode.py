@@ -25,7 +25,7 @@ import torch
 from torch import nn
 from torch.utils import _pytree as pytree
 
-from graphs.compute_graph import ComputeGraph
+from graphs.compute_graph import BACKWARD_START, ComputeGraph
 from graphs.errors import RematError
 from graphs.rewrite import boxed, partition_by_schedule
 
@@ -60,7 +60,8 @@ class ScheduledStep:
         info = graph.capture_info
         if info is None or info.backward != "outputs":
             raise RematError("ScheduledStep needs a graph captured with backward='outputs'")
-        self.sequence = [str(s) for s in sequence]
+        # steps without an fx node (where the backward starts) only constrain the order
+        self.sequence = [str(s) for s in sequence if s != BACKWARD_START]
         self.saved: list[str] = []
         self.info = info
         comp = _compiler

@@ -105,6 +105,11 @@ def partition_by_schedule(
     for name in needed_fwd:
         if nodes[name].op == "call_function" and name in first_pos:
             split = max(split, first_pos[name])
+    # ... or before the first output gradient, when the schedule says where they arrive:
+    # the forward graph then runs every step before it, as the schedule counts them
+    arrival = next((i for i, s in enumerate(seq) if nodes[s].op == "placeholder"), None)
+    if arrival is not None:
+        split = max(split, arrival - 1)
     fwd_steps, bwd_steps = seq[: split + 1], seq[split + 1 :]
     scheduled = set(seq)
 
@@ -123,7 +128,7 @@ def partition_by_schedule(
         if nodes[s].op == "placeholder":
             raise RewriteError(f"the schedule runs {s!r} (an input of backward) before the forward outputs")
         _start_run(nodes[s], fenv, run_of[i], scheduled)
-        _emit(fg, nodes[s], fenv, scheduled, resolve_forward)
+        _emit(fg, nodes[s], fenv, scheduled, resolve_forward).meta["remat_step"] = i
     for o in fwd_outs:
         if isinstance(o, fx.Node) and o.name not in fenv:
             resolve_forward(o)
@@ -132,6 +137,7 @@ def partition_by_schedule(
     bg = fx.Graph()
     benv: dict[str, fx.Node] = {}
     saved: list[str] = []
+    saved_ph: dict[str, fx.Node] = {}
     for t in tangents:
         benv[t.name] = _copy_placeholder(bg, t)
     first_tangent = next(iter(bg.nodes), None)
@@ -145,6 +151,7 @@ def partition_by_schedule(
             ph = bg.placeholder(u.name)
         ph.meta = dict(fenv[u.name].meta)
         benv[u.name] = ph
+        saved_ph[u.name] = ph
         return ph
 
     def resolve_backward(u: fx.Node) -> fx.Node:
@@ -161,7 +168,7 @@ def partition_by_schedule(
         if nodes[s].op == "placeholder":  # a tangent: an input of the backward graph
             continue
         _start_run(nodes[s], benv, run_of[i], scheduled)
-        _emit(bg, nodes[s], benv, scheduled, resolve_backward)
+        _emit(bg, nodes[s], benv, scheduled, resolve_backward).meta["remat_step"] = i
     grad_out = []
     for g in grads:
         if isinstance(g, fx.Node):
@@ -169,6 +176,13 @@ def partition_by_schedule(
         else:
             grad_out.append(g)
     bg.output(tuple(grad_out))
+    # A value saved for an op that turns out dead (a ``detach`` nobody reads) would stay
+    # alive, unread, through the whole backward: it is not saved at all.
+    bg.eliminate_dead_code()
+    for name in list(saved):
+        if not saved_ph[name].users:
+            bg.erase_node(saved_ph[name])
+            saved.remove(name)
 
     # A buffer that the step mutates (BatchNorm running statistics) is written back
     # after the forward, which would invalidate a saved reference: save a copy of
@@ -181,6 +195,14 @@ def partition_by_schedule(
             value.meta = dict(nodes[name].meta)
         saved_out.append(value)
     fg.output(tuple([fenv[o.name] if isinstance(o, fx.Node) else o for o in fwd_outs] + saved_out))
+    # A placeholder whose name was taken by an earlier node is renamed, and fx's code then
+    # rebinds ``name = target`` at the top of the function; such rebinds can chain
+    # (``add_10 = add_9; add_11 = add_10``) and hand a value to the wrong input. Every
+    # placeholder takes its own unique name as its argument name.
+    for g in (fg, bg):
+        for n in g.nodes:
+            if n.op == "placeholder":
+                n.target = n.name
     fw = fx.GraphModule(joint, fg)
     bw = fx.GraphModule(joint, bg)
     fw.graph.eliminate_dead_code()

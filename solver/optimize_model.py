@@ -416,10 +416,16 @@ def _reproduces(model: nn.Module, step: ScheduledStep, args: tuple, kwargs: dict
 
 def _one_run_per_op(cg: ComputeGraph, schedule: Schedule, budget: int) -> Schedule:
     """Compute the outputs of a multi-output op in one run where the budget allows (a
-    schedule that splits them would run the op again for each)."""
-    from solver.plans import group_projection_runs
+    schedule that splits them would run the op again for each), and take the output
+    gradients together where the backward starts and views where they are read, as the
+    rewrite runs them."""
+    from solver.plans import group_projection_runs, tangents_together, views_just_in_time
     from solver.registry import grade
 
+    together = views_just_in_time(cg, tangents_together(cg, schedule.sequence))
+    if together != schedule.sequence:  # never needs more memory at any step
+        schedule = grade(cg, Schedule(sequence=together, method=schedule.method, lower_bound=schedule.lower_bound,
+                                      info=dict(schedule.info)), budget, solve_seconds=schedule.solve_seconds)
     seq = group_projection_runs(cg, schedule.sequence)
     if seq == schedule.sequence:
         return schedule

@@ -22,12 +22,14 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Hashable, Iterable, Sequence
 
-from graphs import ComputeGraph
+from graphs import BACKWARD_START, ComputeGraph
 from solver.errors import NoScheduleFound
 from solver.simulate import simulate
 
 __all__ = [
     "group_projection_runs",
+    "tangents_together",
+    "views_just_in_time",
     "Stage",
     "forward_stages",
     "forced_keep",
@@ -146,7 +148,7 @@ def forward_stages(graph: ComputeGraph, *, order: Sequence[Hashable] | None = No
             if u not in fset:
                 raise NoScheduleFound(
                     f"forward op {v!r} reads the backward value {u!r}: the graph has no stage "
-                    "chain; use a general method (e.g. 'dtr' or 'milp')"
+                    "chain; use a general method (e.g. 'eviction' or 'checkmate_milp')"
                 )
     pos = {v: i for i, v in enumerate(fwd)}
     # cut vertices of the forward order
@@ -403,13 +405,121 @@ def cheapest_fitting(
         raise NoScheduleFound(
             f"{method}: none of its {tried} settings fits {budget_bytes} B"
             + (f" (its smallest peak is {best_peak} B)" if best_peak is not None else "")
-            + "; raise the budget or use a general method such as 'dtr' or 'milp'",
+            + "; raise the budget or use a general method such as 'eviction' or 'checkmate_milp'",
             best_peak=best_peak,
         )
     _, seq, info = best
     info = dict(info)
     info["candidates"] = tried
     return seq, info
+
+
+def tangents_together(graph: ComputeGraph, sequence: Sequence[Hashable]) -> list:
+    """Move every output gradient (``op="tangent"``) to just before the step where the
+    backward starts (:data:`graphs.BACKWARD_START`), the ops between them to before them.
+
+    A step's output gradients all arrive at once, when the backward starts; a schedule
+    that runs forward ops between two of them would count the later ones as arriving
+    later. Tangents only start later here, so no step uses more memory than before.
+
+    Examples
+    --------
+    >>> g = ComputeGraph()
+    >>> for v, op in [("y", "mm"), ("t1", "tangent"), ("z", "mm"), ("t2", "tangent"),
+    ...               (BACKWARD_START, BACKWARD_START), ("gy", "mm")]:
+    ...     g.add_node(v, op=op, bytes=1)
+    >>> tangents_together(g, ["y", "t1", "z", "t2", BACKWARD_START, "gy"])
+    ['y', 'z', 't1', 't2', '<backward>', 'gy']
+    """
+    seq = list(sequence)
+    if BACKWARD_START not in graph.nx or BACKWARD_START not in seq:
+        return seq
+    nodes = graph.nx.nodes
+    cut = seq.index(BACKWARD_START)
+    head = seq[:cut]
+    tangents = [v for v in head if v in nodes and nodes[v].get("op") == "tangent"]
+    others = [v for v in head if not (v in nodes and nodes[v].get("op") == "tangent")]
+    return others + tangents + seq[cut:]
+
+
+def _is_view(graph: ComputeGraph, v: Hashable) -> bool:
+    """A zero-byte alias that a rewrite can derive again at no cost (a view or
+    ``detach``; not an in-place op, whose ATen name ends in ``_``)."""
+    d = graph.nx.nodes[v] if v in graph.nx else None
+    if d is None or d.get("alias_of") is None or d.get("bytes", 0) or d.get("group") is not None:
+        return False
+    name = str(d.get("op", "")).split(".")
+    return not (len(name) > 1 and name[1].endswith("_"))
+
+
+def views_just_in_time(graph: ComputeGraph, sequence: Sequence[Hashable]) -> list:
+    """Run every view (a zero-byte alias, :func:`_is_view`) right before its first reader,
+    and drop a view's run that nothing reads before the view runs again.
+
+    A rewrite derives views from the current copy of their base when they are read;
+    a view run early would read an older copy of the base and, in the simulator, keep
+    that copy alive until then. Only view steps move, so no step needs more memory; a
+    view that nothing reads keeps its place.
+
+    Examples
+    --------
+    >>> g = ComputeGraph()
+    >>> for v in ["a", "b", "c"]: g.add_node(v, bytes=4)
+    >>> g.add_node("va", bytes=0, alias_of="a", op="aten.view.default")
+    >>> g.add_edge("a", "va"); g.add_edge("va", "c"); g.add_edge("a", "c"); g.add_edge("a", "b")
+    >>> views_just_in_time(g, ["a", "va", "b", "c"])
+    ['a', 'b', 'va', 'c']
+    >>> views_just_in_time(g, ["a", "va", "b", "va", "c"])
+    ['a', 'b', 'va', 'c']
+    """
+    nx_graph = graph.nx
+    out: list = []
+    pending: dict = {}  # view -> index in ``out`` of its placeholder slot (None: not yet placed)
+    held: list = []     # pending views in the order they ran
+
+    def place(v) -> None:
+        for u in nx_graph.predecessors(v):
+            if u in pending:
+                place(u)
+        if v in pending:
+            del pending[v]
+            held.remove(v)
+            out.append(v)
+
+    for v in sequence:
+        if _is_view(graph, v):
+            if v in pending:       # the earlier run was never read: only this one counts
+                held.remove(v)
+            pending[v] = True
+            held.append(v)
+            continue
+        for u in nx_graph.predecessors(v):
+            if u in pending:
+                place(u)
+        out.append(v)
+    if held:  # views nobody read after their run: back where they were
+        return _with_unread_views(graph, sequence, out, held)
+    return out
+
+
+def _with_unread_views(graph: ComputeGraph, sequence: Sequence[Hashable], out: list, unread: list) -> list:
+    """Put the last run of each unread view back after the same non-view steps as in
+    ``sequence``."""
+    result = list(out)
+    back: set = set()
+    for v in unread:  # in the order they ran
+        last = max(i for i, s in enumerate(sequence) if s == v)
+        k = sum(1 for s in sequence[:last] if not _is_view(graph, s))
+        pos, seen = 0, 0
+        while pos < len(result) and seen < k:
+            if not _is_view(graph, result[pos]):
+                seen += 1
+            pos += 1
+        while pos < len(result) and result[pos] in back:  # after views put back there before
+            pos += 1
+        result.insert(pos, v)
+        back.add(v)
+    return result
 
 
 def group_projection_runs(graph: ComputeGraph, sequence: Sequence[Hashable]) -> list:

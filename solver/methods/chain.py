@@ -622,7 +622,7 @@ def chain_dp(
     if finite.size == 0:
         raise NoScheduleFound(
             "chain_dp: no schedule of the chain family fits even with every slot; "
-            "use a general method such as 'dtr' or 'milp'", best_peak=None)
+            "use a general method such as 'eviction' or 'checkmate_milp'", best_peak=None)
     # try the top level at the budget, then cheaper settings above it (the model is
     # conservative), then lower limits until the simulated peak fits
     tried: dict[tuple, tuple] = {}
@@ -660,7 +660,7 @@ def chain_dp(
         raise NoScheduleFound(
             f"chain_dp: no schedule of the chain family fits {budget_bytes} B"
             + (f" (its smallest simulated peak is {best_peak} B)" if best_peak is not None else "")
-            + "; use a general method such as 'dtr' or 'milp'", best_peak=best_peak)
+            + "; use a general method such as 'eviction' or 'checkmate_milp'", best_peak=best_peak)
     seq, r, m = best
     return Schedule(sequence=seq, method="chain_dp",
                     info={"order": "fixed", "plan": "chain_dp", "stages": len(stages),

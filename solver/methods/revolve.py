@@ -254,7 +254,7 @@ def revolve(graph: ComputeGraph, budget_bytes: int, *, time_limit=None, slots: i
     elif not fits(1):
         raise NoScheduleFound(
             f"revolve: even one checkpoint slot peaks at {build(1)[2].peak_bytes} B, over the budget "
-            f"of {budget_bytes} B; raise the budget or use a general method such as 'dtr' or 'milp'",
+            f"of {budget_bytes} B; raise the budget or use a general method such as 'eviction' or 'checkmate_milp'",
             best_peak=min(build(1)[2].peak_bytes, build(n)[2].peak_bytes),
         )
     else:

@@ -3,11 +3,12 @@ import operator
 import json
 import resource
 
+import networkx as nx
 import pytest
 import torch
 
 from examples import models
-from graphs import CaptureError, ComputeGraph
+from graphs import BACKWARD_START, CaptureError, ComputeGraph
 from graphs.capture import capture, default_loss
 from graphs.memory import MemoryTracker, SavedTensorCounter
 from solver.simulate import simulate
@@ -50,7 +51,13 @@ def test_node_attributes_and_fx_ids():
     folded = {n.name for n in cg.fx.graph.nodes
               if n.op == "call_function" and n.users and all(u.target is operator.getitem for u in n.users)}
     assert folded, "the GPT has multi-output ops (layer norm, attention)"
-    assert set(cg.nx.nodes) == names - folded
+    assert set(cg.nx.nodes) == (names - folded) | {BACKWARD_START}
+    # every output gradient arrives before any backward op runs
+    tangents = [n for n in cg.ops if cg[n]["op"] == "tangent"]
+    assert tangents and all(cg.nx.has_edge(t, BACKWARD_START) for t in tangents)
+    backward = [n for n in cg.ops if cg[n]["phase"] == "backward" and cg[n]["op"] not in ("tangent", BACKWARD_START)]
+    assert all(BACKWARD_START in nx.ancestors(cg.nx, n) for n in backward)
+    assert cg[BACKWARD_START]["bytes"] == 0 and not cg[BACKWARD_START]["recomputable"]
     for n in cg.ops:  # each projection reads its op's inputs instead of the folded op
         if cg[n].get("group") is not None:
             assert cg[n]["group"] in folded and cg[n]["group"] not in cg.nx
@@ -94,6 +101,7 @@ def test_json_round_trip(tmp_path):
     cg.save(path)
     back = ComputeGraph.load(path)
     assert back.order == cg.order
+    assert back.meta.get("ordered") == cg.meta.get("ordered")
     assert back.saved_bytes() == cg.saved_bytes()
     assert simulate(back, back.order).peak_bytes == simulate(cg, cg.order).peak_bytes
     assert json.loads(path.read_text())["graph"]["remat_schema"] >= 1
