@@ -14,6 +14,12 @@ Both graphs use the boxed calling convention, so an input is released as soon as
 graph no longer needs it, and fx's code generation frees every value after its last use.
 AOTAutograd's runtime runs the pair as one autograd function.
 
+A random op (dropout's ``bernoulli``...) that the schedule runs more than once draws the
+same numbers every time: before its first run the graph takes a copy of the device's
+generator state (a small tensor, saved for backward like any value), and every later run
+sets that state, runs the op and puts the generator back as it was, so the draws of the
+step as a whole are those of eager.
+
 A schedule names the ops of a :class:`~graphs.ComputeGraph` whose node ids are the joint
 graph's node names. Joint nodes the schedule does not name (``getitem`` projections of a
 multi-output op, symbolic-size nodes) are recomputed on demand next to their user.
@@ -30,13 +36,102 @@ import torch.fx as fx
 
 from graphs.errors import RematError
 
-__all__ = ["RewriteError", "partition_by_schedule", "boxed"]
+__all__ = ["RewriteError", "partition_by_schedule", "boxed", "rng_state_bytes", "replay_random_ops"]
 
 log = logging.getLogger(__name__)
 
 
 class RewriteError(RematError):
     """A schedule that cannot be turned into runnable graphs."""
+
+
+def _rng_state(device: torch.device) -> torch.Tensor:
+    """A copy of the generator state of ``device``."""
+    if device.type == "cuda":
+        return torch.cuda.get_rng_state(device)
+    return torch.get_rng_state()
+
+
+@fx.node.has_side_effect
+def _rng_swap(state: torch.Tensor, device: torch.device) -> torch.Tensor:
+    """Set the generator of ``device`` to ``state``; return the state it had."""
+    prev = _rng_state(device)
+    if device.type == "cuda":
+        torch.cuda.set_rng_state(state, device)
+    else:
+        torch.set_rng_state(state)
+    return prev
+
+
+@fx.node.has_side_effect
+def _rng_restore(prev: torch.Tensor, device: torch.device, after: object = None) -> None:
+    """Put back the generator state that :func:`_rng_swap` returned (``after``: the op's
+    result, so that the restore follows the draw)."""
+    _rng_swap(prev, device)
+
+
+def rng_state_bytes(device: torch.device | str = "cpu") -> int:
+    """Bytes of one saved generator state of ``device`` (what replaying one random op
+    costs).
+
+    Examples
+    --------
+    >>> rng_state_bytes("cpu") > 0
+    True
+    """
+    device = torch.device(device)
+    return int(_rng_state(device).numel())
+
+
+_RNG_KEY = "rng:"  # env key of the generator state kept for a random op
+
+
+def replay_random_ops(graph) -> int:
+    """Let schedules of ``graph`` run its random ops more than once.
+
+    :func:`partition_by_schedule` replays a random op's generator state, so its draws
+    are the same on every run: the ops become ``recomputable`` (the simulator still
+    keeps their first runs in the reference order, ``meta["ordered"]``). Each kept
+    state is charged to the fixed bytes when it lives on the device (on CPU). Calling
+    it again changes nothing.
+
+    Returns
+    -------
+    int
+        How many random ops became recomputable.
+
+    Examples
+    --------
+    >>> from graphs import ComputeGraph
+    >>> g = ComputeGraph(); g.add_node("mask", bytes=64, recomputable=False)
+    >>> g.meta["ordered"] = ["mask"]
+    >>> replay_random_ops(g), g["mask"]["recomputable"]
+    (1, True)
+    """
+    if graph.meta.get("random_replay"):
+        return 0
+    random = [v for v in graph.meta.get("ordered", ()) if v in graph.nx and not graph[v]["recomputable"]]
+    for v in random:
+        graph[v]["recomputable"] = True
+    # CPU generator states live in the same (host) memory as the tensors; CUDA ones do not
+    info = graph.capture_info
+    inputs = getattr(info, "flat_inputs", None) or []
+    on_cpu = not any(isinstance(t, torch.Tensor) and t.device.type == "cuda" for t in inputs)
+    extra = len(random) * rng_state_bytes("cpu") if on_cpu else 0
+    graph.meta["extra_fixed_bytes"] = graph.meta.get("extra_fixed_bytes", 0) + extra
+    graph.meta["random_replay"] = True
+    graph._invalidate()
+    return len(random)
+
+
+def _device_of(node: fx.Node) -> torch.device:
+    val = node.meta.get("val")
+    return val.device if isinstance(val, torch.Tensor) else torch.device("cpu")
+
+
+def _is_random(node: fx.Node) -> bool:
+    return (node.op == "call_function" and isinstance(node.target, torch._ops.OpOverload)
+            and torch.Tag.nondeterministic_seeded in node.target.tags)
 
 
 def boxed(gm: fx.GraphModule) -> fx.GraphModule:
@@ -124,11 +219,37 @@ def partition_by_schedule(
         raise RewriteError(f"forward reads {u.name!r} before the schedule computes it")
 
     run_of = _runs(seq, nodes, scheduled)
+    counts: dict[str, int] = {}
+    for s in seq:
+        counts[s] = counts.get(s, 0) + 1
+    replayed = {s for s, c in counts.items() if c > 1 and _is_random(nodes[s])}
+    runs_so_far: dict[str, int] = {}
+
+    def run_step(g: fx.Graph, env: dict, i: int, s: str, resolve, saved_state) -> None:
+        node = nodes[s]
+        _start_run(node, env, run_of[i], scheduled)
+        if s not in replayed:
+            new = _emit(g, node, env, scheduled, resolve)
+        else:  # the same draws every run: keep the generator state of the first, replay it
+            key, dev = _RNG_KEY + s, _device_of(node)
+            if not runs_so_far.get(s):
+                env[key] = g.call_function(_rng_state, (dev,))
+                env[key].meta["val"] = _rng_state(dev)
+                new = _emit(g, node, env, scheduled, resolve)
+            else:
+                prev = g.call_function(_rng_swap, (env[key] if key in env else saved_state(key), dev))
+                new = _emit(g, node, env, scheduled, resolve)
+                g.call_function(_rng_restore, (prev, dev, new))
+        runs_so_far[s] = runs_so_far.get(s, 0) + 1
+        new.meta["remat_step"] = i
+
+    def no_saved_state(key: str) -> fx.Node:
+        raise RewriteError(f"{key[len(_RNG_KEY):]!r} runs again before it first ran")
+
     for i, s in enumerate(fwd_steps):
         if nodes[s].op == "placeholder":
             raise RewriteError(f"the schedule runs {s!r} (an input of backward) before the forward outputs")
-        _start_run(nodes[s], fenv, run_of[i], scheduled)
-        _emit(fg, nodes[s], fenv, scheduled, resolve_forward).meta["remat_step"] = i
+        run_step(fg, fenv, i, s, resolve_forward, no_saved_state)
     for o in fwd_outs:
         if isinstance(o, fx.Node) and o.name not in fenv:
             resolve_forward(o)
@@ -142,16 +263,17 @@ def partition_by_schedule(
         benv[t.name] = _copy_placeholder(bg, t)
     first_tangent = next(iter(bg.nodes), None)
 
-    def from_forward(u: fx.Node) -> fx.Node:
-        saved.append(u.name)
+    def from_forward(u: fx.Node | str) -> fx.Node:
+        name = u if isinstance(u, str) else u.name
+        saved.append(name)
         if first_tangent is not None:
             with bg.inserting_before(first_tangent):
-                ph = bg.placeholder(u.name)
+                ph = bg.placeholder(name.replace(_RNG_KEY, "rng_state_"))
         else:
-            ph = bg.placeholder(u.name)
-        ph.meta = dict(fenv[u.name].meta)
-        benv[u.name] = ph
-        saved_ph[u.name] = ph
+            ph = bg.placeholder(name.replace(_RNG_KEY, "rng_state_"))
+        ph.meta = dict(fenv[name].meta)
+        benv[name] = ph
+        saved_ph[name] = ph
         return ph
 
     def resolve_backward(u: fx.Node) -> fx.Node:
@@ -167,8 +289,7 @@ def partition_by_schedule(
     for i, s in enumerate(bwd_steps, start=len(fwd_steps)):
         if nodes[s].op == "placeholder":  # a tangent: an input of the backward graph
             continue
-        _start_run(nodes[s], benv, run_of[i], scheduled)
-        _emit(bg, nodes[s], benv, scheduled, resolve_backward).meta["remat_step"] = i
+        run_step(bg, benv, i, s, resolve_backward, from_forward)
     grad_out = []
     for g in grads:
         if isinstance(g, fx.Node):
@@ -190,7 +311,7 @@ def partition_by_schedule(
     saved_out = []
     for name in saved:
         value = fenv[name]
-        if nodes[name].op == "placeholder" and type(nodes[name].meta.get("desc")).__name__ == "BufferAOTInput":
+        if name in nodes and nodes[name].op == "placeholder" and type(nodes[name].meta.get("desc")).__name__ == "BufferAOTInput":
             value = fg.call_function(torch.ops.aten.clone.default, (value,))
             value.meta = dict(nodes[name].meta)
         saved_out.append(value)

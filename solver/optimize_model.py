@@ -26,6 +26,7 @@ from graphs.capture import capture, default_loss
 from graphs.graph_mode import ScheduledStep, wrap_graph_mode
 from graphs.memory import MemoryTracker
 from graphs.module_mode import apply_module_plan, layer_blocks
+from graphs.rewrite import replay_random_ops
 from graphs.units import GiB, format_bytes
 from solver.errors import SolverError
 from solver.module_plan import ModulePlan, plan_modules
@@ -357,6 +358,7 @@ def optimize(
 
 
 def _plan_graph(cg, budget, act_budget, store_all, capture_s, t1, method, time_limit, state):
+    replay_random_ops(cg)  # the rewrite replays the generator state of a random op it runs again
     check_budget(cg, budget)  # raises InfeasibleBudget naming the smallest feasible peak
     from solver.methods.minpeak import smallest_feasible_peak
 
