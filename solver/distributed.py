@@ -36,12 +36,12 @@ from typing import Hashable, Mapping, Sequence
 import numpy as np
 
 from graphs import ComputeGraph
-from solver.errors import SolverError
-from solver.module_plan import checkpoint_sequence
+from solver.errors import InfeasibleBudget, SolverError
+from solver.module_plan import ModulePlan, checkpoint_sequence, checkpoint_view, greedy_block_plan, plan_schedule
 from solver.simulate import simulate
 
 __all__ = ["SHARDINGS", "RankBytes", "RankPeak", "shard_bytes", "rank_fixed_bytes", "allgather_bytes",
-           "checkpoint_sequence", "rank_peak", "unit_of"]
+           "checkpoint_sequence", "rank_peak", "unit_of", "plan_modules_per_rank"]
 
 #: Data-parallel strategies with a per-rank memory model.
 SHARDINGS = ("ddp", "fsdp")
@@ -266,17 +266,15 @@ def rank_peak(graph: ComputeGraph, sequence: Sequence[Hashable], *, world_size: 
     gathered = np.zeros(n)
     gathered += unit_bytes[""]  # the root stays gathered
     extra = np.zeros(n)
+    # the all-gather input is a view into the all-gather output: no extra shard
     for k, u in enumerate(blocks):
         lo, hi = fwd_span[u]
         gathered[lo:hi + 1] += unit_bytes[u]
-        extra[lo] += shard_bytes(unit_bytes[u], W)  # all-gather input
         if u in bwd_span:
             nxt = post_forward[k + 1]
             start = bwd_span[nxt][0] if nxt in bwd_span else first_bwd
             end = bwd_span[u][1]
             gathered[min(start, bwd_span[u][0]):end + 1] += unit_bytes[u]
-            # a prefetched all-gather keeps its input shard until the unit waits on it
-            extra[start:bwd_span[u][0]] += shard_bytes(unit_bytes[u], W)
     # gradients: whole until their unit's backward ends, then a shard
     grad_unit = {v: unit_of(str(graph[v].get("module") or ""), units) for v in grads}
     grad_bytes_unit: dict[str, int] = {}
@@ -295,15 +293,111 @@ def rank_peak(graph: ComputeGraph, sequence: Sequence[Hashable], *, world_size: 
         u = grad_unit[v]
         end = bwd_span[u][1] if (u in bwd_span and u != "") else n - 1
         keep_grads[i:end + 1] += graph[v]["bytes"]
+    # a unit's reduce-scatter input (its whole gradients, flat) is kept until the next
+    # unit's reduce-scatter (FSDP2's reduce_scatter_max_input_buffers=1), the last until
+    # the end of backward; the output is the gradient shard
     shards = np.zeros(n)
+    ends = sorted(bwd_span[u][1] for u in blocks if u in bwd_span)
     for u in blocks:
         if u in bwd_span:
             end = bwd_span[u][1]
             g = grad_bytes_unit.get(u, 0)
-            extra[end] += g + shard_bytes(g, W)  # reduce-scatter input and output
-            if end + 1 < n:
-                shards[end + 1:] += shard_bytes(g, W)
+            later = [e for e in ends if e > end]
+            extra[end:(later[0] if later else n - 1) + 1] += g
+            shards[end:] += shard_bytes(g, W)
     out = (curve - param_total - whole_grads + keep_grads + shards + gathered + extra
            + fixed.params + fixed.optimizer)
     t = int(np.argmax(out)) if n else 0
     return RankPeak(int(math.ceil(out[t])) if n else 0, t, out, fixed, r.peak_bytes)
+
+
+def plan_modules_per_rank(graph: ComputeGraph, budget_bytes: int, *, blocks: Sequence[str], world_size: int,
+                          sharding: str = "fsdp", units: Sequence[str] | None = None, optimizer_bytes: int = 0,
+                          prefetch: int = 1, actions: Sequence[str] = ("none", "selective", "full"),
+                          time_limit: float | None = None) -> tuple[ModulePlan, RankPeak]:
+    """Choose an action per block so that one rank's step fits ``budget_bytes``.
+
+    The search of :func:`solver.module_plan.plan_modules` (greedy: upgrade the block that
+    lowers the peak most per unit of extra cost until the step fits, then downgrade what
+    the budget no longer needs), with every candidate priced by :func:`rank_peak` on the
+    order that ``torch.utils.checkpoint`` runs (:func:`checkpoint_sequence`): under
+    FSDP2 a rank holds shards, the gathered parameters of the units in flight and
+    whole gradients only until their unit's reduce-scatter, so the single-process peak
+    (and its whole-model fixed bytes) would misjudge which plans fit.
+
+    Parameters
+    ----------
+    graph : ComputeGraph
+        One rank's step (its local batch), captured in one process; parameters are
+        sources of kind ``"param"`` named by module path. Its ``fixed_bytes`` should not
+        hold the optimizer state: pass it as ``optimizer_bytes`` (whole model), which
+        :func:`rank_peak` shards.
+    budget_bytes : int
+        Per rank.
+    blocks : sequence of str
+        Candidate module paths (not nested).
+    world_size : int
+    sharding : {"fsdp", "ddp"}
+    units : sequence of str, optional
+        FSDP2 units besides the root (default ``blocks``).
+    optimizer_bytes : int
+        Whole-model optimizer state.
+    prefetch : int
+        Units FSDP2 gathers ahead in backward.
+    actions : sequence of str
+        Allowed actions in order of strength; offload is not priced per rank.
+    time_limit : float, optional
+        Seconds for the search.
+
+    Returns
+    -------
+    (ModulePlan, RankPeak)
+        The plan (its schedule's ``peak_bytes`` is the rank's peak, its sequence the
+        checkpoint order on :func:`solver.module_plan.checkpoint_view` of ``graph``) and
+        the rank's predicted memory.
+
+    Raises
+    ------
+    InfeasibleBudget
+        No plan found fits; carries the smallest rank peak of the uniform plans.
+    SolverError
+        An offload action, or an unknown sharding.
+
+    Notes
+    -----
+    O(rounds x blocks x actions) evaluations, each one simulation of the graph plus an
+    O(sequence) re-pricing.
+
+    Examples
+    --------
+    >>> from solver.synthetic import training_chain
+    >>> g = training_chain(4, fwd_bytes=8)
+    >>> for i in range(4): g[f"f{i}"]["module"] = g[f"b{i}"]["module"] = f"layers.{i // 2}"
+    >>> plan, peak = plan_modules_per_rank(g, 40, blocks=["layers.0", "layers.1"], world_size=2)
+    >>> peak.peak_bytes <= 40 and plan.schedule.peak_bytes == peak.peak_bytes
+    True
+    """
+    _check(world_size, sharding)
+    if "offload" in actions:
+        raise SolverError("offload is not planned per rank (under FSDP2 save_on_cpu would also move the "
+                          "all-gathered parameters); use none / selective / full")
+    blocks = list(blocks)
+    units = blocks if units is None else list(units)
+    graph = checkpoint_view(graph, blocks)
+
+    def price(plan: dict) -> tuple:
+        sched, res = plan_schedule(graph, plan)
+        rp = rank_peak(graph, sched.sequence, world_size=world_size, sharding=sharding, units=units,
+                       optimizer_bytes=optimizer_bytes, prefetch=prefetch)
+        sched.peak_bytes = rp.peak_bytes
+        return rp.peak_bytes, res.cost, (sched, rp)
+
+    plan, (peak, _, (sched, rp)), smallest, evaluations = greedy_block_plan(
+        blocks, actions, budget_bytes, price, time_limit=time_limit)
+    if peak > budget_bytes:
+        raise InfeasibleBudget(int(budget_bytes), smallest,
+                               what=f"peak of one rank ({sharding}, world size {world_size}) with per-block "
+                                    "checkpointing")
+    sched.budget_bytes = int(budget_bytes)
+    sched.info = dict(sched.info, sharding=sharding, world_size=int(world_size), units=list(units))
+    return ModulePlan(actions=plan, schedule=sched, evaluations=evaluations, blocks=blocks, graph=graph), rp

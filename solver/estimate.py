@@ -17,7 +17,8 @@ __all__ = ["Estimate", "estimate"]
 
 @dataclass
 class Estimate:
-    """Predicted peaks of one training step on one device (bytes).
+    """Predicted peaks of one training step on one device (bytes; on one rank under
+    ``sharding``).
 
     Attributes
     ----------
@@ -37,6 +38,8 @@ class Estimate:
     source : {"config", "graph"}
         Analytic model, or the simulator on the captured training step.
     notes : list of str
+    world_size : int
+    sharding : {None, "ddp", "fsdp"}
     """
 
     budget_bytes: int
@@ -50,6 +53,8 @@ class Estimate:
     micro_batch: int | None
     source: str = "config"
     notes: list = None
+    world_size: int = 1
+    sharding: str | None = None
 
     def __post_init__(self) -> None:
         if self.notes is None:
@@ -73,7 +78,7 @@ class Estimate:
                 "fits_no_remat": self.fits_no_remat, "fits_full_remat": self.fits_full_remat, "fits": self.fits,
                 "max_micro_batch": self.max_micro_batch, "max_seq_len": self.max_seq_len,
                 "seq_len": self.seq_len, "micro_batch": self.micro_batch, "source": self.source,
-                "notes": list(self.notes),
+                "notes": list(self.notes), "world_size": self.world_size, "sharding": self.sharding,
                 "policy": None if self.policy is None else self.policy.to_dict()}
 
     def __str__(self) -> str:
@@ -83,7 +88,8 @@ class Estimate:
             f"+{100 * self.policy.overhead:.2f} % compute, "
             + ", ".join(f"{v} {k.value}" for k, v in self.policy.counts().items() if v))
         shape = "" if self.seq_len is None else f", seq {self.seq_len}, micro-batch {self.micro_batch}"
-        lines = [f"Estimate ({self.source}): budget {format_bytes(self.budget_bytes)}{shape}",
+        dp = f", {self.sharding.upper()} x{self.world_size}, per rank" if self.sharding else ""
+        lines = [f"Estimate ({self.source}): budget {format_bytes(self.budget_bytes)}{shape}{dp}",
                  row("no remat", self.peak_no_remat, self.fits_no_remat),
                  row("full (every layer)", self.peak_full_remat, self.fits_full_remat),
                  row("best policy", self.peak_best, self.fits, best_extra),
@@ -137,8 +143,10 @@ def estimate(model_or_config: Any, gpu_gb: float, *, seq_len: int | None = None,
     reserved_bytes : int
     **options
         Any other keyword of :func:`solver.policy.policy` (``tensor_parallel``,
-        ``pipeline_parallel``, ``optimizer``, ``hardware``, ``example_inputs``,
-        ``via``...). An ``nn.Module`` is estimated on its captured training step (see
+        ``pipeline_parallel``, ``world_size``, ``sharding``, ``optimizer``,
+        ``hardware``, ``example_inputs``, ``via``...). With ``world_size`` and
+        ``sharding`` (``"ddp"`` or ``"fsdp"``) ``gpu_gb`` and every peak are per rank,
+        and the micro-batch is the rank's own. An ``nn.Module`` is estimated on its captured training step (see
         :func:`solver.policy.policy`): the three peaks are the simulator's; for an HF
         model whose batch is built from ``seq_len``/``micro_batch`` the largest
         micro-batch and sequence length are searched with ``search=True`` (one capture per
@@ -156,6 +164,8 @@ def estimate(model_or_config: Any, gpu_gb: float, *, seq_len: int | None = None,
     >>> e = estimate(cfg, 5.0)
     >>> e.fits, e.fits_no_remat, e.max_micro_batch >= 4
     (True, False, True)
+    >>> estimate(cfg, 5.0, world_size=8, sharding="fsdp").max_micro_batch >= e.max_micro_batch
+    True
     """
     budget = budget_bytes_of(gpu_gb, reserved_bytes)
     if _wants_graph(model_or_config, options.pop("via", "auto")):
@@ -179,13 +189,14 @@ def estimate(model_or_config: Any, gpu_gb: float, *, seq_len: int | None = None,
 
     max_b = _largest(lambda b: fits_with(micro_batch=b), start=cfg.micro_batch, cap=max_batch_cap)
     max_s = _largest(lambda s: fits_with(seq_len=s), start=cfg.seq_len, cap=max_seq_cap)
-    return Estimate(budget, peak_none, peak_full, peak_best, best, max_b, max_s, cfg.seq_len, cfg.micro_batch)
+    return Estimate(budget, peak_none, peak_full, peak_best, best, max_b, max_s, cfg.seq_len, cfg.micro_batch,
+                    world_size=planner.world_size, sharding=planner.sharding)
 
 
 def _estimate_graph(model: Any, budget: int, *, seq_len, micro_batch, max_seq_cap: int, max_batch_cap: int,
                     example_inputs: Any = None, search: bool | None = None, **options) -> Estimate:
     graph_opts = {k: options.pop(k) for k in ("optimizer", "hardware", "allow_offload", "blocks", "measure_time",
-                                               "loss_fn") if k in options}
+                                               "loss_fn", "world_size", "sharding") if k in options}
     _check_graph_options(**options)
     gp = build_graph_planner(model, example_inputs=example_inputs, seq_len=seq_len, micro_batch=micro_batch,
                              **graph_opts)
@@ -220,4 +231,5 @@ def _estimate_graph(model: Any, budget: int, *, seq_len, micro_batch, max_seq_ca
         notes.append("largest micro-batch / sequence length not searched (search=True captures the step "
                      "again for each size tried)")
     return Estimate(budget, int(peak_none), int(peak_full), int(peak_best), best, max_b, max_s,
-                    seq_len, micro_batch, source="graph", notes=notes)
+                    seq_len, micro_batch, source="graph", notes=notes, world_size=gp.world_size,
+                    sharding=gp.sharding)

@@ -23,7 +23,7 @@ from solver.plans import sequence_from_keep
 from solver.schedule import Schedule
 from solver.simulate import simulate
 
-__all__ = ["ModulePlan", "checkpoint_view", "plan_modules", "plan_schedule", "block_nodes", "keep_for_plan", "checkpoint_sequence",
+__all__ = ["ModulePlan", "checkpoint_view", "plan_modules", "greedy_block_plan", "plan_schedule", "block_nodes", "keep_for_plan", "checkpoint_sequence",
            "MATMUL_OPS", "ACTIONS"]
 
 log = logging.getLogger(__name__)
@@ -269,6 +269,51 @@ def plan_modules(
     True
     """
     graph = checkpoint_view(graph, blocks)
+
+    def price(plan: dict) -> tuple:
+        sched, res = plan_schedule(graph, plan, bandwidth=bandwidth)
+        return res.peak_bytes, res.cost, sched
+
+    plan, (peak, _, sched), smallest, evaluations = greedy_block_plan(
+        blocks, actions, budget_bytes, price, time_limit=time_limit)
+    if peak > budget_bytes:
+        raise InfeasibleBudget(budget_bytes, smallest, what="peak with per-block checkpointing")
+    return ModulePlan(actions=plan, schedule=sched, evaluations=evaluations, blocks=list(blocks), graph=graph)
+
+
+def greedy_block_plan(blocks: Sequence[str], actions: Iterable[str], budget_bytes: int, price, *,
+                      time_limit: float | None = None) -> tuple[dict, tuple, int, int]:
+    """The per-block search of :func:`plan_modules`, for any pricing of a plan.
+
+    From "none" everywhere, upgrade (in the order of ``actions``) the block whose
+    upgrade fits, else saves the most peak per unit of extra cost, until the plan fits;
+    then downgrade every block the budget no longer needs. O(blocks^2 x actions) prices.
+
+    Parameters
+    ----------
+    blocks : sequence of str
+    actions : iterable of str
+        From cheapest to most memory-saving; "none" is always allowed.
+    budget_bytes : int
+    price : callable
+        ``plan -> (peak_bytes, cost, payload)``; called once per distinct plan.
+    time_limit : float, optional
+        Seconds for the upgrade phase.
+
+    Returns
+    -------
+    plan, (peak_bytes, cost, payload), smallest_peak, evaluations
+        ``smallest_peak`` is the least peak of a uniform plan or the plan found (what an
+        infeasible budget should name).
+
+    Examples
+    --------
+    >>> peaks = {"none": 10, "full": 4}
+    >>> price = lambda plan: (sum(peaks[a] for a in plan.values()), sum(a == "full" for a in plan.values()), None)
+    >>> greedy_block_plan(["a", "b"], ["none", "full"], 14, price)[0]
+    {'a': 'full', 'b': 'none'}
+    """
+    blocks = list(blocks)
     allowed = ["none"] + [a for a in actions if a != "none"]
     rank = {a: i for i, a in enumerate(allowed)}
     cache: dict[tuple, tuple] = {}
@@ -276,49 +321,42 @@ def plan_modules(
     def evaluate(plan: dict) -> tuple:
         key = tuple(plan[b] for b in blocks)
         if key not in cache:
-            cache[key] = plan_schedule(graph, plan, bandwidth=bandwidth)
+            cache[key] = price(plan)
         return cache[key]
 
     t0 = time.perf_counter()
     plan = {b: "none" for b in blocks}
-    sched, res = evaluate(plan)
-    while res.peak_bytes > budget_bytes:
+    cur = evaluate(plan)
+    while cur[0] > budget_bytes:
         if time_limit is not None and time.perf_counter() - t0 > time_limit:
             break
         best = None
         for b in blocks:
-            for a in allowed:
-                if rank[a] <= rank[plan[b]]:
-                    continue
-                trial = dict(plan)
-                trial[b] = a
-                s2, r2 = evaluate(trial)
-                gain = res.peak_bytes - r2.peak_bytes
-                fits = r2.peak_bytes <= budget_bytes
+            for a in allowed[rank[plan[b]] + 1:]:
+                trial = dict(plan, **{b: a})
+                new = evaluate(trial)
+                gain = cur[0] - new[0]
+                fits = new[0] <= budget_bytes
                 if gain <= 0 and not fits:
                     continue
-                extra = max(r2.cost - res.cost, 1e-12 * max(1.0, res.cost))
-                key = (fits, -r2.cost if fits else gain / extra)
+                extra = max(new[1] - cur[1], 1e-12 * max(1.0, cur[1]))
+                key = (fits, -new[1] if fits else gain / extra)
                 if best is None or key > best[0]:
-                    best = (key, trial, s2, r2)
+                    best = (key, trial, new)
         if best is None:
             break
-        _, plan, sched, res = best
-    if res.peak_bytes > budget_bytes:
-        smallest = min(evaluate({b: a for b in blocks})[1].peak_bytes for a in allowed)
-        raise InfeasibleBudget(budget_bytes, min(smallest, res.peak_bytes),
-                               what="peak with per-block checkpointing")
+        _, plan, cur = best
+    if cur[0] > budget_bytes:
+        smallest = min(evaluate({b: a for b in blocks})[0] for a in allowed)
+        return plan, cur, min(smallest, cur[0]), len(cache)
     improved = True
     while improved:  # downgrade what the budget no longer needs
         improved = False
         for b in sorted(blocks, key=lambda b: -rank[plan[b]]):
-            for a in allowed:
-                if rank[a] >= rank[plan[b]]:
-                    continue
-                trial = dict(plan)
-                trial[b] = a
-                s2, r2 = evaluate(trial)
-                if r2.peak_bytes <= budget_bytes and r2.cost < res.cost:
-                    plan, sched, res, improved = trial, s2, r2, True
+            for a in allowed[: rank[plan[b]]]:
+                trial = dict(plan, **{b: a})
+                new = evaluate(trial)
+                if new[0] <= budget_bytes and new[1] < cur[1]:
+                    plan, cur, improved = trial, new, True
                     break
-    return ModulePlan(actions=plan, schedule=sched, evaluations=len(cache), blocks=list(blocks), graph=graph)
+    return plan, cur, cur[0], len(cache)

@@ -6,6 +6,12 @@ rewrite the model to run it, at tensor level (``mode="graph"``,
 :mod:`graphs.graph_mode`) or at layer level (``mode="module"``,
 :mod:`graphs.module_mode`). :func:`verify` runs one real step under the memory tracker
 and puts the measured peak and step time next to the prediction.
+
+Data parallelism (``sharding="ddp"`` or ``"fsdp"``): the budget and every figure of
+the report are per rank; the plan is made on the rank's own step (its local batch) with
+the resident memory of a rank (:mod:`solver.distributed`), and the returned module is
+ready to train on that rank (wrapped in ``DistributedDataParallel``, or sharded in place
+with FSDP2's ``fully_shard``; :mod:`graphs.distributed`).
 """
 
 from __future__ import annotations
@@ -45,7 +51,12 @@ class Report:
 
     All byte figures are peak device bytes of one training step: parameters, buffers,
     inputs, gradients, saved activations and temporaries (plus optimizer state when an
-    optimizer was given).
+    optimizer was given). With ``sharding`` set they are those of one rank: its local
+    batch, its shards (FSDP2) or replicas and gradient buckets (DDP); ``rank_fixed``
+    splits what the rank holds between steps (``params``, ``grads``, ``optimizer``,
+    ``buckets``), ``untracked_bytes`` is what the prediction charges that a memory
+    tracker cannot see during :func:`verify` (optimizer state not yet created, the
+    gradient seed) and is added to the measured peak.
     """
 
     mode: str
@@ -67,6 +78,10 @@ class Report:
     original_step_seconds: float | None = None
     original_peak_bytes: int | None = None
     notes: list[str] = field(default_factory=list)
+    sharding: str | None = None
+    world_size: int = 1
+    rank_fixed: dict | None = None
+    untracked_bytes: int | None = None
     graph: ComputeGraph | None = field(default=None, repr=False, compare=False)
     schedule: Schedule | None = field(default=None, repr=False, compare=False)
 
@@ -89,6 +104,9 @@ class Report:
         gap = "unknown" if self.gap is None else f"{100 * self.gap:.1f} % of the extra compute"
         lines = [
             f"remat plan ({self.mode} mode, method {self.method})",
+            *([f"  data parallel       {self.sharding}, world size {self.world_size}: budget and peaks are "
+               f"per rank" + ("" if not self.rank_fixed else " (between steps a rank holds " + ", ".join(
+                   f"{k} {b(v)}" for k, v in self.rank_fixed.items()) + ")")] if self.sharding else []),
             f"  budget              {b(self.budget_bytes)}"
             + (f"  (activations: {b(self.activation_budget_bytes)})" if self.activation_budget_bytes else ""),
             f"  predicted peak      {b(self.predicted_peak_bytes)}",
@@ -200,6 +218,10 @@ def optimize(
     measure_time: bool | None = None,
     blocks: list[str] | None = None,
     self_check: bool = True,
+    world_size: int | None = None,
+    mesh: Any = None,
+    sharding: str | None = None,
+    sharding_options: dict | None = None,
 ) -> nn.Module:
     """Return a drop-in module whose training step fits ``budget_gb``.
 
@@ -247,6 +269,33 @@ def optimize(
         Graph mode: before handing the rewrite out, run one step of it and one of the
         original on the example batch and compare loss and gradients; a schedule that
         fails is replaced by the next method (or an error is raised).
+    world_size : int, optional
+        Data-parallel ranks (default: the size of ``mesh``, else
+        ``torch.distributed.get_world_size()``). Needs ``sharding``.
+    mesh : DeviceMesh, optional
+        1-D data-parallel mesh (FSDP2's ``mesh``; DDP uses its process group).
+    sharding : {None, "ddp", "fsdp"}
+        ``None``: one process. ``"ddp"``: every rank holds all parameters, gradients
+        and optimizer state plus DDP's gradient buckets (one more copy of the
+        gradients, none with ``gradient_as_bucket_view=True``), charged as fixed
+        memory; graph and module mode; the module is returned wrapped in
+        ``DistributedDataParallel``. ``"fsdp"`` (module mode only): a rank holds
+        ``1/world_size`` of parameters, gradients and optimizer state, the whole
+        parameters of the units being computed (and the one prefetched) and the whole
+        gradients of the unit in backward (:func:`solver.distributed.rank_peak`); the
+        plan is searched on that per-rank peak, each layer block becomes a
+        ``fully_shard`` unit with its checkpoint inside, and ``model`` itself is
+        returned, sharded in place. Both need ``example_inputs`` (the rank's local
+        batch) and an initialized process group; the budget is per rank. Graph mode
+        under FSDP2 and offload under FSDP2 raise
+        :class:`graphs.distributed.DistributedPlanError` before anything is touched;
+        ``activation_budget`` is refused under FSDP2. Build the optimizer on the
+        returned module's parameters (under FSDP2 they are new ``DTensor``
+        parameters); an ``optimizer`` passed here only declares its state, sharded
+        under FSDP2. :func:`verify` is then collective (call it on every rank).
+    sharding_options : dict, optional
+        Keyword arguments of ``DistributedDataParallel`` or ``fully_shard``
+        (``gradient_as_bucket_view``, ``bucket_cap_mb``, ``mp_policy``, ...).
 
     Returns
     -------
@@ -261,6 +310,10 @@ def optimize(
     CaptureError
         Graph mode cannot capture the model; the message names the op or line and
         suggests ``mode="module"``.
+    DistributedPlanError
+        An unsupported ``(sharding, mode)`` pair (supported:
+        :data:`graphs.distributed.SUPPORTED`), offload under FSDP2, or a world size
+        that contradicts the mesh or the process group.
 
     Examples
     --------
@@ -271,9 +324,24 @@ def optimize(
     True
     >>> torch.equal(fast(x), net(x))
     True
+
+    Data parallel (run on every rank, after ``init_process_group``; the batch is the
+    rank's own)::
+
+        model = optimize(model, 20.0, local_batch, mode="module", sharding="fsdp")
+        opt = torch.optim.AdamW(model.parameters())
     """
     if mode not in ("graph", "module"):
         raise ValueError(f"mode must be 'graph' or 'module', got {mode!r}")
+    dp = _dist(sharding=sharding, mode=mode, world_size=world_size, mesh=mesh, options=sharding_options)
+    if dp is not None:
+        if example_inputs is None:
+            raise ValueError(f"sharding={sharding!r} needs example_inputs (this rank's local batch): the plan is made "
+                             "before the model is wrapped")
+        if activation_budget and dp.sharding == "fsdp":
+            raise ValueError("activation_budget=True is not available with sharding='fsdp' (a rank's fixed "
+                             "memory changes during the step); give the whole per-rank budget")
+        dp.require_process_group()
     try:
         budget_bytes = float(budget_gb) * GiB
     except (TypeError, ValueError):
@@ -294,6 +362,8 @@ def optimize(
                                    "plans at layer level instead)") from exc
             raise
         cg.meta["extra_fixed_bytes"] = opt_bytes + _SEED_RESERVE
+        if dp is not None:
+            dp.charge(cg, opt_bytes, state)
         if mode == "module":  # eager autograd; AOTAutograd's runtime materializes zero tangents
             _backward_from_loss(cg)
         capture_s = time.perf_counter() - t0
@@ -327,7 +397,10 @@ def optimize(
                     raise SolverError(f"the graph-mode rewrite ({first}) does not reproduce the model's "
                                       "gradients on the example batch; use mode='module' (please report this)")
         else:
-            out = _plan_module(m, cg, budget, act_budget, store_all, capture_s, t1, blocks, time_limit, state)
+            out = _plan_module(m, cg, budget, act_budget, store_all, capture_s, t1, blocks, time_limit, state,
+                               dp=dp, opt_bytes=opt_bytes)
+        if dp is not None:
+            dp.annotate(state["report"], state)
         if state.get("wrapper") is not None:
             state["wrapper"].report = state["report"]
         log.info("%s", state["report"])
@@ -341,6 +414,12 @@ def optimize(
     state["wrapper"] = wrapper
     wrapper.report = None
 
+    if dp is not None:
+        args, kwargs = _split_inputs(example_inputs)
+        wrapper = dp.plan_and_wrap(model, plan, mode, args, kwargs, blocks, state)
+        if verify:
+            _verify_into(wrapper, None, example_inputs, state["report"])
+        return wrapper
     if example_inputs is not None:
         args, kwargs = _split_inputs(example_inputs)
         if mode == "graph":
@@ -355,6 +434,140 @@ def optimize(
     elif verify:
         raise ValueError("verify=True needs example_inputs")
     return wrapper
+
+
+def _dist(*, sharding: str | None, mode: str, world_size: int | None, mesh: Any,
+          options: dict | None) -> "_DataParallel | None":
+    """Read the data-parallel options of :func:`optimize`; refuse what cannot run before
+    anything is captured or wrapped."""
+    from graphs.distributed import DistributedPlanError, check_supported
+
+    check_supported(sharding, mode)
+    if sharding is None:
+        given = [k for k, v in (("world_size", world_size), ("mesh", mesh), ("sharding_options", options))
+                 if v is not None]
+        if given:
+            raise ValueError(f"{', '.join(given)} given without sharding: pass sharding='ddp' or 'fsdp'")
+        return None
+    if mesh is not None:
+        if getattr(mesh, "ndim", 1) != 1:
+            raise DistributedPlanError(f"remat plans data parallelism over a 1-D mesh; got a {mesh.ndim}-D mesh "
+                                       "(pass the data-parallel sub-mesh, e.g. mesh['dp'])")
+        n = int(mesh.size())
+        if world_size is not None and int(world_size) != n:
+            raise DistributedPlanError(f"world_size={world_size} contradicts the mesh of {n} ranks")
+        world_size = n
+    if world_size is None:
+        import torch.distributed as dist
+
+        if not (dist.is_available() and dist.is_initialized()):
+            raise DistributedPlanError(f"sharding={sharding!r} needs an initialized process group "
+                                       "(torch.distributed.init_process_group) or world_size=/mesh=")
+        world_size = dist.get_world_size()
+    if int(world_size) < 1:
+        raise ValueError(f"world_size must be >= 1, got {world_size!r}")
+    return _DataParallel(sharding, int(world_size), mesh, dict(options or {}))
+
+
+class _DataParallel:
+    """The data-parallel setting of one :func:`optimize` call: what a rank is charged,
+    how the plan is searched, and how the planned module is wrapped."""
+
+    def __init__(self, sharding: str, world_size: int, mesh: Any, options: dict) -> None:
+        self.sharding, self.world_size, self.mesh = sharding, world_size, mesh
+        self.record_buckets = bool(options.pop("record_buckets", True))
+        self.options = options
+        self.fixed = None
+        self.untracked = 0
+
+    def require_process_group(self) -> None:
+        import torch.distributed as dist
+
+        from graphs.distributed import DistributedPlanError
+
+        if not (dist.is_available() and dist.is_initialized()):
+            raise DistributedPlanError(f"optimize(sharding={self.sharding!r}) wraps the model for this rank: "
+                                       "call torch.distributed.init_process_group first")
+        group = self.mesh.get_group() if self.mesh is not None else None
+        n = dist.get_world_size(group)
+        if n != self.world_size:
+            raise DistributedPlanError(f"world_size={self.world_size} but the "
+                                       f"{'mesh' if self.mesh is not None else 'default process group'} has {n} ranks")
+
+    def charge(self, cg: ComputeGraph, opt_bytes: int, state: dict) -> None:
+        """Put what a rank holds besides the captured step into the graph's fixed bytes."""
+        from solver.distributed import rank_fixed_bytes, shard_bytes
+
+        params = sum(cg[v]["bytes"] for v in cg.sources if cg[v].get("kind") == "param")
+        grads = sum(cg[v]["bytes"] for v in cg.ops if cg[v]["output"] and cg[v]["phase"] == "backward")
+        if self.sharding == "ddp":
+            self.fixed = rank_fixed_bytes(world_size=self.world_size, sharding="ddp", param_bytes=params,
+                                          grad_bytes=grads, optimizer_bytes=opt_bytes,
+                                          gradient_as_bucket_view=bool(self.options.get("gradient_as_bucket_view")))
+            cg.meta["extra_fixed_bytes"] += self.fixed.buckets
+            # a tracker sees the buckets (recorded by the comm hook), not the optimizer state
+            self.untracked = opt_bytes + _SEED_RESERVE + (0 if self.record_buckets else self.fixed.buckets)
+        else:  # rank_peak shards parameters, gradients and the optimizer state itself
+            cg.meta["extra_fixed_bytes"] = _SEED_RESERVE
+            self.untracked = shard_bytes(opt_bytes, self.world_size) + _SEED_RESERVE
+
+    def plan_fsdp(self, cg: ComputeGraph, budget: int, names: list, opt_bytes: int, time_limit):
+        from solver.distributed import plan_modules_per_rank
+
+        # selective checkpoint inside a unit measures above the simulator's prediction
+        # (one recomputed activation more); plan with none / full until it is modelled
+        mp, rp = plan_modules_per_rank(cg, budget, blocks=names, world_size=self.world_size, sharding="fsdp",
+                                       units=names, optimizer_bytes=opt_bytes, actions=("none", "full"),
+                                       time_limit=time_limit)
+        self.fixed = rp.fixed
+        return mp, rp
+
+    def rank_store_all(self, view: ComputeGraph, names: list, opt_bytes: int) -> int:
+        from solver.distributed import rank_peak
+        from solver.module_plan import plan_schedule
+
+        sched, _ = plan_schedule(view, {b: "none" for b in names})
+        return rank_peak(view, sched.sequence, world_size=self.world_size, sharding="fsdp", units=names,
+                         optimizer_bytes=opt_bytes).peak_bytes
+
+    def annotate(self, report: Report, state: dict) -> None:
+        report.sharding, report.world_size = self.sharding, self.world_size
+        if self.fixed is not None:
+            f = self.fixed
+            report.rank_fixed = {"params": f.params, "grads": f.grads, "optimizer": f.optimizer, "buckets": f.buckets}
+        report.untracked_bytes = int(self.untracked)
+
+    def plan_and_wrap(self, model: nn.Module, plan: Callable, mode: str, args: tuple, kwargs: dict,
+                      blocks: list[str] | None, state: dict) -> nn.Module:
+        from graphs.distributed import apply_under_ddp, apply_under_fsdp, check_supported
+
+        if self.sharding == "fsdp":
+            mp = plan(model, args, kwargs)
+            check_supported("fsdp", "module", mp.actions)
+            out = apply_under_fsdp(model, mp.actions, mesh=self.mesh, units=blocks or layer_blocks(model),
+                                   **self.options)
+        else:
+            if mode == "graph":
+                from graphs.graph_mode import input_signature
+
+                inner = wrap_graph_mode(model, lambda m, a, k: plan(m, a, k))
+                inner.__dict__["_remat_state"] = state
+                state["wrapper"] = inner
+                inner.remat_steps[input_signature(args, kwargs)] = plan(model, args, kwargs)
+            else:
+                inner = _LazyModuleMode(model, plan).module
+                inner.__dict__["_remat_state"] = state
+                state["wrapper"] = inner
+                inner.remat_plan_now(args, kwargs)
+            inner.report = state["report"]
+            opts = dict(self.options)
+            if self.mesh is not None:
+                opts.setdefault("process_group", self.mesh.get_group())
+            out = apply_under_ddp(inner, record_buckets=self.record_buckets, **opts)
+        out.__dict__["_remat_state"] = state
+        out.report = state["report"]
+        log.info("%s", state["report"])
+        return out
 
 
 def _plan_graph(cg, budget, act_budget, store_all, capture_s, t1, method, time_limit, state):
@@ -446,17 +659,24 @@ class _EagerStep:
         return type(model).forward(model, *args, **kwargs)
 
 
-def _plan_module(model, cg, budget, act_budget, store_all, capture_s, t1, blocks, time_limit, state) -> ModulePlan:
+def _plan_module(model, cg, budget, act_budget, store_all, capture_s, t1, blocks, time_limit, state, *,
+                 dp=None, opt_bytes=0) -> ModulePlan:
     names = blocks or layer_blocks(model)
-    check_budget(cg, budget)
-    mp = plan_modules(cg, budget, blocks=names, time_limit=time_limit)
-    sched = mp.schedule
-    cg = mp.graph  # random ops inside the blocks are recomputed there (RNG state restored)
-    r = simulate(cg, sched)
+    if dp is not None and dp.sharding == "fsdp":
+        # the whole-model fixed bytes are not what a rank holds: plan on the rank's peak
+        mp, rp = dp.plan_fsdp(cg, budget, names, opt_bytes, time_limit)
+        sched, cg, predicted = mp.schedule, mp.graph, rp.peak_bytes
+        store_all = dp.rank_store_all(cg, names, opt_bytes)
+    else:
+        check_budget(cg, budget)
+        mp = plan_modules(cg, budget, blocks=names, time_limit=time_limit)
+        sched = mp.schedule
+        cg = mp.graph  # random ops inside the blocks are recomputed there (RNG state restored)
+        predicted = simulate(cg, sched).peak_bytes
     sched.budget_bytes = budget
     report = Report(
-        mode="module", method="module_plan", budget_bytes=budget, predicted_peak_bytes=r.peak_bytes,
-        store_all_peak_bytes=store_all, smallest_feasible_bytes=min(store_all, r.peak_bytes),
+        mode="module", method="module_plan", budget_bytes=budget, predicted_peak_bytes=predicted,
+        store_all_peak_bytes=store_all, smallest_feasible_bytes=min(store_all, predicted),
         predicted_overhead=sched.overhead, gap=None, solve_seconds=time.perf_counter() - t1,
         capture_seconds=capture_s, decisions=mp.table(), budget_kind="activations" if act_budget else "step",
         activation_budget_bytes=act_budget, graph=cg, schedule=sched,
@@ -522,7 +742,9 @@ def verify(module: nn.Module, example_inputs: Any, *, loss_fn: Callable | None =
     """Run real training steps of an optimized module and measure them.
 
     Adds the measured peak (one step, gradients initially None, under
-    :class:`graphs.memory.MemoryTracker`; on CUDA also ``max_memory_allocated``) and the
+    :class:`graphs.memory.MemoryTracker`; on CUDA also ``max_memory_allocated``; for a
+    data-parallel module, :class:`graphs.distributed.RankMemoryTracker` over the rank's
+    local tensors, :func:`graphs.distributed.rank_tensors`: call it on every rank) and the
     median step time (process CPU time on CPU) to ``module.report``; with ``original``,
     also the original module's step time and peak. Gradients present before the call
     are restored afterwards.
@@ -546,6 +768,10 @@ def verify(module: nn.Module, example_inputs: Any, *, loss_fn: Callable | None =
     state = module.__dict__.get("_remat_state")
     if state is None:
         raise ValueError("verify() takes a module returned by solver.optimize")
+    report = state.get("report")
+    if original is not None and report is not None and report.sharding:
+        raise ValueError("original= is not available for a data-parallel module (its step runs collectives); "
+                         "verify it without original")
     return _verify_into(module, original, example_inputs, state.get("report"), loss_fn=loss_fn, repeats=repeats)
 
 
@@ -567,11 +793,20 @@ def _verify_into(module, original, example_inputs, report, *, loss_fn=None, repe
             p.grad = None
         if torch.cuda.is_available():
             torch.cuda.synchronize()
-        with MemoryTracker(module, example_inputs) as tracker:
+        if report.sharding:  # local shards and buckets; FSDP2 frees by resizing storages
+            from graphs.distributed import RankMemoryTracker, rank_tensors
+
+            a, k = _split_inputs(example_inputs)
+            tracker = RankMemoryTracker(rank_tensors(module, extra=list(a) + list(k.values())))
+            untracked = report.untracked_bytes or 0
+        else:
+            tracker = MemoryTracker(module, example_inputs)
+            untracked = report.graph.meta.get("extra_fixed_bytes", 0) if report.graph is not None else 0
+        with tracker:
             out = _call(module, example_inputs)  # held during backward, as a training loop does
             loss_fn(out).backward()
             del out
-        peak = tracker.peak_bytes + (report.graph.meta.get("extra_fixed_bytes", 0) if report.graph is not None else 0)
+        peak = tracker.peak_bytes + untracked
         if tracker.cuda_peak_bytes is not None:
             report.notes.append(f"CUDA max_memory_allocated {format_bytes(tracker.cuda_peak_bytes)}")
         report.measured_peak_bytes = int(peak)

@@ -5,7 +5,10 @@ an HF ``PretrainedConfig`` or an HF model), prices every layer's four choices wi
 analytic model of :mod:`solver.analytic`, and picks per layer the choice that makes the
 whole training step fit the device with the least extra compute, exactly (a
 multiple-choice knapsack solved by a Pareto dynamic program over layers). Pipeline
-stages are planned separately, each with its own micro-batches in flight.
+stages are planned separately, each with its own micro-batches in flight. Under data
+parallelism (``sharding="ddp"`` or ``"fsdp"`` with ``world_size`` ranks) the budget and
+every peak are per rank: DDP adds its gradient buckets, FSDP2 shards parameters,
+gradients and optimizer state and adds the units it gathers (:mod:`solver.distributed`).
 """
 
 from __future__ import annotations
@@ -123,6 +126,9 @@ class LayerPolicy:
         Priced by the analytic model, or simulated on the captured training step.
     graph_schedule : Schedule or None
         Captured path: the simulated sequence (and offloads) of the plan.
+    world_size : int
+        Data-parallel ranks (per pipeline stage); budget and peaks are per rank.
+    sharding : {None, "ddp", "fsdp"}
     """
 
     actions: tuple
@@ -141,6 +147,8 @@ class LayerPolicy:
     blocks: tuple = ()
     source: str = "config"
     graph_schedule: Any = field(default=None, repr=False, compare=False)
+    world_size: int = 1
+    sharding: str | None = None
     _planner: Any = field(default=None, repr=False, compare=False)
 
     @property
@@ -183,6 +191,8 @@ class LayerPolicy:
             "pipeline_parallel": self.pipeline_parallel,
             "schedule": self.schedule,
             "optimizer": self.optimizer,
+            "world_size": self.world_size,
+            "sharding": self.sharding,
             "stages": [{"index": s.index, "layers": [s.layers.start, s.layers.stop], "in_flight": s.in_flight,
                         "static_bytes": s.static_bytes, "activation_bytes": s.activation_bytes,
                         "workspace_bytes": s.workspace_bytes, "peak_bytes": s.peak_bytes,
@@ -198,7 +208,8 @@ class LayerPolicy:
         c = self.config
         head = (f"LayerPolicy: {c.num_layers} layers, h={c.hidden_size}, seq {c.seq_len}, micro-batch "
                 f"{c.micro_batch}, TP {c.tensor_parallel}{'+SP' if c.sequence_parallel else ''}, "
-                f"PP {self.pipeline_parallel} ({self.schedule}), {self.optimizer}")
+                f"PP {self.pipeline_parallel} ({self.schedule}), {self.optimizer}"
+                + (f", {self.sharding.upper()} x{self.world_size} (per rank)" if self.sharding else ""))
         lines = [head,
                  f"peak {format_bytes(self.peak_bytes)} / budget {format_bytes(self.budget_bytes)}, "
                  f"extra {format_count(self.extra_flops)}FLOP per micro-batch "
@@ -236,8 +247,15 @@ class _Planner:
 
     def __init__(self, cfg: TransformerConfig, *, pipeline_parallel: int, schedule: str,
                  num_microbatches: int | None, optimizer: str, hardware: Hardware | None,
-                 allow_offload: bool | None, grad_bytes: int | None) -> None:
+                 allow_offload: bool | None, grad_bytes: int | None, world_size: int = 1,
+                 sharding: str | None = None) -> None:
         P = int(pipeline_parallel)
+        self.world_size, self.sharding = _check_data_parallel(world_size, sharding)
+        if self.sharding == "fsdp" and allow_offload:
+            raise SolverError("offload is not planned under FSDP2 (save_on_cpu would also move the gathered "
+                              "parameters); use allow_offload=False")
+        if self.sharding == "fsdp":
+            allow_offload = False
         if P < 1:
             raise SolverError(f"pipeline_parallel must be >= 1, got {pipeline_parallel!r}")
         if P > cfg.num_layers:
@@ -255,6 +273,7 @@ class _Planner:
                               "(or another graphs.hardware preset)")
         p_b, g_b, o_b = analytic.state_bytes_per_parameter(cfg.dtype_bytes, self.optimizer, grad_bytes=grad_bytes)
         self.bytes_per_param = p_b + g_b + o_b
+        self.param_bytes, self.grad_bytes = p_b, g_b
         # layers split evenly; the remainder goes to the last stages (fewest micro-batches in flight)
         L = cfg.num_layers
         sizes = [L // P + (1 if i >= P - L % P else 0) for i in range(P)] if L % P else [L // P] * P
@@ -292,12 +311,30 @@ class _Planner:
         return opts
 
     def stage_static(self, i: int) -> float:
+        """Bytes of stage ``i``'s device outside activations and workspaces.
+
+        One device: parameters x (param + grad + optimizer bytes). DDP adds its
+        gradient buckets (one more gradient copy). FSDP2 holds a ``1/world_size``
+        shard of all of it, plus what it gathers: the root's parameters (embedding
+        and output, kept gathered through the step) and their whole gradients, two
+        layers' whole parameters (the one computing and the one prefetched) and two
+        layers' whole gradients (the one in backward and the previous one's
+        reduce-scatter input)."""
         cfg = self.cfg
-        params = len(self.stage_layers[i]) * analytic.layer_parameters(cfg)
+        layer = analytic.layer_parameters(cfg)
+        n_layers = len(self.stage_layers[i])
+        root = 0.0
         if i == 0:
-            params += analytic.embedding_parameters(cfg)
+            root += analytic.embedding_parameters(cfg)
         if i == self.P - 1:
-            params += analytic.output_parameters(cfg, separate_stage=self.P > 1)
+            root += analytic.output_parameters(cfg, separate_stage=self.P > 1)
+        params = n_layers * layer + root
+        if self.sharding == "ddp":
+            return params * (self.bytes_per_param + self.grad_bytes)
+        if self.sharding == "fsdp":
+            gathered = root * (self.param_bytes + self.grad_bytes) + min(2, n_layers) * layer * (
+                self.param_bytes + self.grad_bytes)
+            return params * self.bytes_per_param / self.world_size + gathered
         return params * self.bytes_per_param
 
     def stage_fixed_activations(self, i: int) -> float:
@@ -400,7 +437,8 @@ class _Planner:
             peak_bytes=max(s.peak_bytes for s in stages), extra_flops=sum(s.extra_flops for s in stages),
             base_flops=analytic.step_flops(self.cfg), config=self.cfg, pipeline_parallel=self.P,
             schedule=self.schedule, optimizer=self.optimizer, hardware=self.hardware,
-            notes=list(notes or []), solve_seconds=seconds, _planner=self)
+            notes=list(notes or []), solve_seconds=seconds, world_size=self.world_size, sharding=self.sharding,
+            _planner=self)
 
     def solve(self, budget: int) -> LayerPolicy:
         t0 = time.perf_counter()
@@ -481,9 +519,15 @@ class GraphPlanner:
 
     def __init__(self, model: Any, example_inputs: Any, *, blocks: Sequence[str] | None = None,
                  optimizer: str = "adam", hardware: Any = None, allow_offload: bool | None = None,
-                 measure_time: bool = False, loss_fn: Any = None) -> None:
+                 measure_time: bool = False, loss_fn: Any = None, world_size: int | None = None,
+                 sharding: str | None = None) -> None:
         from graphs.capture import capture
 
+        self.world_size, self.sharding = _check_data_parallel(world_size, sharding)
+        if self.sharding == "fsdp":
+            if allow_offload:
+                raise SolverError("offload is not planned under FSDP2; use allow_offload=False")
+            allow_offload = False
         self.model = model
         self.blocks = list(blocks) if blocks is not None else layer_blocks(model)
         if not self.blocks:
@@ -516,6 +560,12 @@ class GraphPlanner:
         _, _, o_b = analytic.state_bytes_per_parameter(esize, self.optimizer)
         self.optimizer_bytes = int(numel * o_b)
         self.graph.meta["extra_fixed_bytes"] = self.optimizer_bytes
+        if self.sharding == "ddp":  # DDP's gradient buckets: one more copy of the gradients
+            g = self.graph
+            self.graph.meta["extra_fixed_bytes"] += sum(
+                g[v]["bytes"] for v in g.ops if g[v]["output"] and g[v]["phase"] == "backward")
+        elif self.sharding == "fsdp":  # rank_peak shards the optimizer state
+            self.graph.meta["extra_fixed_bytes"] = 0
         self.options = (LayerAction.NONE, LayerAction.SELECTIVE, LayerAction.FULL) + (
             (LayerAction.OFFLOAD,) if self.allow_offload else ())
         self.base_flops = float(sum(self.graph[v].get("flops", 0) for v in self.graph.ops))
@@ -536,8 +586,16 @@ class GraphPlanner:
             return self._cache[key]
         if len(key) != len(self.blocks):
             raise SolverError(f"{len(key)} actions for {len(self.blocks)} layers")
-        self._cache[key] = plan_schedule(self.graph, {b: a.value for b, a in zip(self.blocks, key)},
-                                         bandwidth=self._bandwidth())
+        sched, res = plan_schedule(self.graph, {b: a.value for b, a in zip(self.blocks, key)},
+                                   bandwidth=self._bandwidth())
+        if self.sharding == "fsdp":  # one rank's peak: shards, gathered units, whole gradients
+            from solver.distributed import rank_peak
+
+            rp = rank_peak(self.graph, sched.sequence, world_size=self.world_size, sharding="fsdp",
+                           units=self.blocks, optimizer_bytes=self.optimizer_bytes)
+            res.peak_bytes = sched.peak_bytes = rp.peak_bytes
+            self.rank_fixed = rp.fixed.total
+        self._cache[key] = (sched, res)
         return self._cache[key]
 
     def _bandwidth(self) -> float | None:
@@ -560,14 +618,15 @@ class GraphPlanner:
         if missing:
             raise SolverError(f"action {missing[0]} not available here (offload needs hardware=... and CUDA)")
         sched, res = self.evaluate(acts)
-        fixed = int(self.graph.fixed_bytes)
+        fixed = int(self.rank_fixed if self.sharding == "fsdp" else self.graph.fixed_bytes)
         stage = StagePlan(0, range(len(acts)), 1, fixed, int(res.peak_bytes - fixed), 0, int(res.peak_bytes),
                           self._extra_flops(sched))
         return LayerPolicy(actions=acts, stages=(stage,), budget_bytes=int(budget), peak_bytes=int(res.peak_bytes),
                            extra_flops=stage.extra_flops, base_flops=self.base_flops, config=self.config,
                            optimizer=self.optimizer, hardware=self.hardware,
                            notes=list(self.notes if notes is None else notes), solve_seconds=seconds,
-                           blocks=tuple(self.blocks), source="graph", graph_schedule=sched, _planner=self)
+                           blocks=tuple(self.blocks), source="graph", graph_schedule=sched,
+                           world_size=self.world_size, sharding=self.sharding, _planner=self)
 
     def min_peak(self) -> int:
         """Smallest peak over the uniform plans (every layer the same action)."""
@@ -579,8 +638,15 @@ class GraphPlanner:
 
         t0 = time.perf_counter()
         try:
-            mp = plan_modules(self.graph, budget, blocks=self.blocks, actions=[a.value for a in self.options],
-                              bandwidth=self._bandwidth())
+            if self.sharding == "fsdp":
+                from solver.distributed import plan_modules_per_rank
+
+                mp, _ = plan_modules_per_rank(self.graph, budget, blocks=self.blocks, world_size=self.world_size,
+                                              units=self.blocks, optimizer_bytes=self.optimizer_bytes,
+                                              actions=[a.value for a in self.options])
+            else:
+                mp = plan_modules(self.graph, budget, blocks=self.blocks, actions=[a.value for a in self.options],
+                                  bandwidth=self._bandwidth())
         except InfeasibleBudget:
             raise InfeasibleBudget(budget, self.min_peak(), what="peak of a training step (captured graph)") from None
         cur = [LayerAction(mp.actions[b]) for b in self.blocks]
@@ -609,7 +675,8 @@ def _graph_policy_str(p: LayerPolicy) -> str:
 def build_graph_planner(model: Any, *, example_inputs: Any = None, seq_len: int | None = None,
                         micro_batch: int | None = None, optimizer: str = "adam", hardware: Any = None,
                         allow_offload: bool | None = None, blocks: Sequence[str] | None = None,
-                        measure_time: bool = False, loss_fn: Any = None) -> GraphPlanner:
+                        measure_time: bool = False, loss_fn: Any = None, world_size: int | None = None,
+                        sharding: str | None = None) -> GraphPlanner:
     """The planner behind :func:`policy` and :func:`solver.estimate.estimate` for a real
     ``nn.Module``: its training step captured with :func:`graphs.capture` on
     ``example_inputs`` (default for an HF model: ``input_ids``/``labels`` of shape
@@ -626,7 +693,8 @@ def build_graph_planner(model: Any, *, example_inputs: Any = None, seq_len: int 
     if example_inputs is None:
         example_inputs = hf_example_inputs(model, seq_len=seq_len, micro_batch=micro_batch)
     return GraphPlanner(model, example_inputs, blocks=blocks, optimizer=optimizer, hardware=hardware,
-                        allow_offload=allow_offload, measure_time=measure_time, loss_fn=loss_fn)
+                        allow_offload=allow_offload, measure_time=measure_time, loss_fn=loss_fn,
+                        world_size=world_size, sharding=sharding)
 
 
 def _check_graph_options(*, pipeline_parallel: int = 1, **config_only: Any) -> None:
@@ -666,7 +734,7 @@ def _module_planner_config(model: Any, **overrides) -> TransformerConfig:
 def build_planner(model_or_config: Any, *, seq_len=None, micro_batch=None, dtype=None, tensor_parallel=None,
                   sequence_parallel=None, pipeline_parallel=1, schedule="1f1b", num_microbatches=None,
                   optimizer="adam", hardware=None, allow_offload=None, grad_bytes=None,
-                  flash_attention=None) -> _Planner:
+                  flash_attention=None, world_size=1, sharding=None) -> _Planner:
     """The planner behind :func:`policy` and :func:`solver.estimate.estimate`: the priced
     options of every layer and the fixed memory of every stage (same options as
     :func:`policy`, without a budget).
@@ -689,7 +757,21 @@ def build_planner(model_or_config: Any, *, seq_len=None, micro_batch=None, dtype
     hw = None if hardware is None else get_hardware(hardware)
     return _Planner(cfg, pipeline_parallel=pipeline_parallel, schedule=schedule,
                     num_microbatches=num_microbatches, optimizer=optimizer, hardware=hw,
-                    allow_offload=allow_offload, grad_bytes=grad_bytes)
+                    allow_offload=allow_offload, grad_bytes=grad_bytes, world_size=world_size, sharding=sharding)
+
+
+def _check_data_parallel(world_size: Any, sharding: Any) -> tuple[int, str | None]:
+    """Validate ``world_size`` / ``sharding``: (world size, sharding)."""
+    from solver.distributed import SHARDINGS
+
+    w = 1 if world_size is None else world_size
+    if isinstance(w, bool) or not isinstance(w, int) or w < 1:
+        raise SolverError(f"world_size must be an integer >= 1, got {world_size!r}")
+    if sharding is not None and sharding not in SHARDINGS:
+        raise SolverError(f"unknown sharding {sharding!r}; use one of {', '.join(SHARDINGS)} or None")
+    if sharding is None and w != 1:
+        raise SolverError(f"world_size={w} needs sharding='ddp' or 'fsdp' (what a rank holds depends on it)")
+    return int(w), sharding
 
 
 def budget_bytes_of(gpu_gb: float, reserved_bytes: int = 0) -> int:
@@ -712,7 +794,7 @@ def policy(model_or_config: Any, gpu_gb: float, *, seq_len: int | None = None, m
            grad_bytes: int | None = None, flash_attention: bool | None = None,
            reserved_bytes: int = 0, example_inputs: Any = None, via: str = "auto",
            blocks: Sequence[str] | None = None, measure_time: bool = False,
-           loss_fn: Any = None) -> LayerPolicy:
+           loss_fn: Any = None, world_size: int | None = None, sharding: str | None = None) -> LayerPolicy:
     """Per layer none / selective / full / offload, so that a training step fits ``gpu_gb``
     with the least extra compute.
 
@@ -781,6 +863,17 @@ def policy(model_or_config: Any, gpu_gb: float, *, seq_len: int | None = None, m
         Captured path: time every op for the cost model (default: roofline).
     loss_fn : callable, optional
         Captured path: output -> scalar loss (default: ``output.loss`` or a sum).
+    world_size : int, optional
+        Data-parallel ranks (of one pipeline stage); needs ``sharding``. ``gpu_gb``
+        and every peak are then per rank, and the micro-batch (or example batch) is
+        the rank's own.
+    sharding : {None, "ddp", "fsdp"}
+        ``"ddp"``: a rank holds everything plus DDP's gradient buckets (one more copy
+        of the gradients). ``"fsdp"`` (FSDP2 ``fully_shard``, one unit per layer):
+        ``1/world_size`` of parameters, gradients and optimizer state, plus the
+        gathered root, two gathered layers and two layers' whole gradients (config
+        path, see ``_Planner.stage_static``), or every step re-priced by
+        :func:`solver.distributed.rank_peak` (captured path). No offload under FSDP2.
 
     Returns
     -------
@@ -801,6 +894,9 @@ def policy(model_or_config: Any, gpu_gb: float, *, seq_len: int | None = None, m
     >>> p = policy(cfg, 5.0)
     >>> p.fits, p.counts()[LayerAction.NONE] < 4
     (True, True)
+    >>> sharded = policy(cfg, 5.0, world_size=8, sharding="fsdp")
+    >>> sharded.stages[0].static_bytes < p.stages[0].static_bytes
+    True
     """
     budget = budget_bytes_of(gpu_gb, reserved_bytes)
     if _wants_graph(model_or_config, via):
@@ -810,7 +906,7 @@ def policy(model_or_config: Any, gpu_gb: float, *, seq_len: int | None = None, m
         gp = build_graph_planner(model_or_config, example_inputs=example_inputs, seq_len=seq_len,
                                  micro_batch=micro_batch, optimizer=optimizer, hardware=hardware,
                                  allow_offload=allow_offload, blocks=blocks, measure_time=measure_time,
-                                 loss_fn=loss_fn)
+                                 loss_fn=loss_fn, world_size=world_size, sharding=sharding)
         out = gp.solve(budget)
         log.info("policy (captured graph): %s", dict((k.value, v) for k, v in out.counts().items()))
         return out
@@ -818,7 +914,8 @@ def policy(model_or_config: Any, gpu_gb: float, *, seq_len: int | None = None, m
                             tensor_parallel=tensor_parallel, sequence_parallel=sequence_parallel,
                             pipeline_parallel=pipeline_parallel, schedule=schedule,
                             num_microbatches=num_microbatches, optimizer=optimizer, hardware=hardware,
-                            allow_offload=allow_offload, grad_bytes=grad_bytes, flash_attention=flash_attention)
+                            allow_offload=allow_offload, grad_bytes=grad_bytes, flash_attention=flash_attention,
+                            world_size=world_size, sharding=sharding)
     out = planner.solve(budget)
     log.info("policy: %s in %.3f s", dict((k.value, v) for k, v in out.counts().items()), out.solve_seconds)
     return out

@@ -194,3 +194,44 @@ def ddp_worker(rank: int, world: int, port: int, out_dir: str, mode: str) -> Non
         _write(out_dir, rank, res)
     finally:
         dist.destroy_process_group()
+
+
+def optimize_worker(rank: int, world: int, port: int, out_dir: str, sharding: str, mode: str) -> None:
+    """``solver.optimize(..., sharding=...)`` on this rank's batch, 3 SGD steps against the
+    single-process reference, then ``solver.verify`` (collective) for the measured peak."""
+    import torch.distributed as dist
+
+    from examples.models import gpt
+    from graphs.units import GiB
+    from solver import optimize_model
+
+    _init(rank, world, port)
+    try:
+        model, batch = gpt(**GPT)
+        ref = _reference(model, batch, STEPS)
+        local = _local(batch, rank, world)
+        if sharding == "fsdp":
+            budget = BUDGET
+            no_remat = _predict(model, local, {}, "fsdp")
+        else:  # below this rank's peak without remat (DDP buckets included)
+            no_remat = _predict(model, local, {}, "ddp")
+            budget = int(0.85 * no_remat)
+        kw = dict(method="eviction") if mode == "graph" else {}
+        wrapped = optimize_model.optimize(model, budget / GiB, local, mode=mode, sharding=sharding,
+                                          measure_time=False, **kw)
+        rep = wrapped.report
+
+        def full_grad(name, p):
+            return p.grad.full_tensor() if sharding == "fsdp" else p.grad
+
+        res = _train_and_measure(rank, world, wrapped, wrapped.parameters, full_grad, batch, ref, None,
+                                 rep.predicted_peak_bytes)
+        optimize_model.verify(wrapped, local, repeats=1)
+        plan = getattr(wrapped, "remat_plan", None) or getattr(getattr(wrapped, "module", None), "remat_plan", None)
+        res.update(budget=rep.budget_bytes, asked_budget=budget, no_remat=no_remat, predicted=rep.predicted_peak_bytes,
+                   verified=rep.measured_peak_bytes, fits=rep.fits, sharding=rep.sharding, world_size=rep.world_size,
+                   rank_fixed=rep.rank_fixed, recomputed=rep.recomputed, plan=dict(plan or {}),
+                   wrapper=type(wrapped).__name__, text=str(rep))
+        _write(out_dir, rank, res)
+    finally:
+        dist.destroy_process_group()

@@ -95,3 +95,16 @@ def test_captured_estimate_counts_optimizer_state():
     n = sum(p.numel() for p in net.parameters())
     assert adam.peak_no_remat - bare.peak_no_remat == 8 * n  # two fp32 moments per parameter
     assert "not searched" in str(adam)
+
+
+def test_per_rank_estimate_fsdp_fits_more():
+    one = estimate(CFG, 6.0)
+    sharded = estimate(CFG, 6.0, world_size=8, sharding="fsdp")
+    pl = build_planner(CFG, world_size=8, sharding="fsdp")
+    assert sharded.peak_no_remat == pl.policy_of([LayerAction.NONE] * 8, 0).peak_bytes < one.peak_no_remat
+    assert sharded.max_micro_batch >= one.max_micro_batch
+    fits = lambda **kw: build_planner(CFG.replace(**kw), world_size=8, sharding="fsdp").min_peak() <= 6 * GiB
+    assert fits(micro_batch=sharded.max_micro_batch) and not fits(micro_batch=sharded.max_micro_batch + 1)
+    assert sharded.to_dict()["sharding"] == "fsdp" and "FSDP x8" in str(sharded)
+    ddp = estimate(CFG, 6.0, world_size=8, sharding="ddp")
+    assert ddp.peak_no_remat > one.peak_no_remat  # gradient buckets on top

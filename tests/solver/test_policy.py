@@ -178,3 +178,75 @@ def test_graph_policy_offload_and_bad_options(small_gpt):
         policy(model, 1.0, via="bogus")
     with pytest.raises(SolverError):
         policy(model, 1.0)  # no example inputs and no HF config
+
+
+# ------------------------------------------------------------ data parallelism: per-rank accounting
+
+def test_per_rank_static_hand_count_fsdp_and_ddp():
+    # CFG is bf16 with Adam: 2 (param) + 2 (grad) + 12 (fp32 master + moments) bytes per parameter
+    layer, emb, out = layer_parameters(CFG), embedding_parameters(CFG), output_parameters(CFG)
+    total = CFG.num_layers * layer + emb + out
+    acts = [LayerAction.FULL] * CFG.num_layers
+    one = build_planner(CFG).policy_of(acts, 10**12).stages[0]
+    assert one.static_bytes == pytest.approx(total * 16, rel=1e-9)
+    fsdp = build_planner(CFG, world_size=4, sharding="fsdp").policy_of(acts, 10**12).stages[0]
+    # a quarter of everything, plus the gathered root (params + whole grads) and two layers' params and grads
+    assert fsdp.static_bytes == pytest.approx(total * 16 / 4 + (emb + out) * 4 + 2 * layer * 4, rel=1e-9)
+    ddp = build_planner(CFG, world_size=4, sharding="ddp").policy_of(acts, 10**12).stages[0]
+    assert ddp.static_bytes == pytest.approx(total * (16 + 2), rel=1e-9)  # + gradient buckets
+    # only the static part changes: activations and workspaces are the rank's own micro-batch
+    for s in (fsdp, ddp):
+        assert s.activation_bytes == one.activation_bytes and s.workspace_bytes == one.workspace_bytes
+    # sharding frees memory for activations: FSDP needs no more remat than one device, DDP no less
+    budget = (one.peak_bytes + build_planner(CFG).policy_of([LayerAction.NONE] * 8, 0).peak_bytes) / 2 / GiB
+    p1, pf, pd = (policy(CFG, budget, **kw) for kw in ({}, dict(world_size=4, sharding="fsdp"),
+                                                        dict(world_size=4, sharding="ddp")))
+    assert pf.extra_flops <= p1.extra_flops
+    assert pd.extra_flops >= p1.extra_flops
+    assert pf.to_dict()["sharding"] == "fsdp" and pf.world_size == 4 and "FSDP x4" in str(pf)
+
+
+def test_per_rank_with_pipeline_stages():
+    P = 2
+    pl = build_planner(CFG, pipeline_parallel=P, world_size=2, sharding="fsdp")
+    layer, emb = layer_parameters(CFG), embedding_parameters(CFG)
+    out = output_parameters(CFG, separate_stage=True)
+    n = CFG.num_layers // P
+    assert pl.stage_static(0) == pytest.approx((n * layer + emb) * 16 / 2 + emb * 4 + 2 * layer * 4, rel=1e-9)
+    assert pl.stage_static(1) == pytest.approx((n * layer + out) * 16 / 2 + out * 4 + 2 * layer * 4, rel=1e-9)
+
+
+def test_bad_data_parallel_options():
+    with pytest.raises(SolverError, match="needs sharding"):
+        policy(CFG, 40, world_size=4)
+    with pytest.raises(SolverError, match="unknown sharding"):
+        policy(CFG, 40, world_size=4, sharding="zero2")
+    with pytest.raises(SolverError, match="world_size"):
+        policy(CFG, 40, world_size=0, sharding="ddp")
+    with pytest.raises(SolverError, match="FSDP2"):
+        policy(CFG, 40, world_size=2, sharding="fsdp", hardware="pcie5", allow_offload=True)
+
+
+def test_graph_policy_per_rank(small_gpt):
+    from solver.distributed import rank_peak, shard_bytes
+    from solver.policy import build_graph_planner
+
+    model, inputs = small_gpt
+    one = build_graph_planner(model, example_inputs=inputs, optimizer="adam")
+    ddp = build_graph_planner(model, example_inputs=inputs, optimizer="adam", world_size=2, sharding="ddp")
+    fsdp = build_graph_planner(model, example_inputs=inputs, optimizer="adam", world_size=2, sharding="fsdp")
+    none = [LayerAction.NONE] * 3
+    param_bytes = sum(p.numel() * p.element_size() for p in model.parameters())
+    # DDP: one more copy of the gradients (as many bytes as the parameters here)
+    assert ddp.evaluate(none)[1].peak_bytes == one.evaluate(none)[1].peak_bytes + param_bytes
+    # FSDP: the rank peak of the same sequence, Adam state sharded (2 x params over 2 ranks)
+    sched, res = fsdp.evaluate(none)
+    fresh = rank_peak(fsdp.graph, sched.sequence, world_size=2, sharding="fsdp", units=fsdp.blocks,
+                      optimizer_bytes=2 * param_bytes)
+    assert res.peak_bytes == fresh.peak_bytes < one.evaluate(none)[1].peak_bytes
+    assert fresh.fixed.optimizer == shard_bytes(2 * param_bytes, 2)
+    full = fsdp.evaluate([LayerAction.FULL] * 3)[1].peak_bytes
+    p = policy(model, (res.peak_bytes + full) / 2 / GiB, example_inputs=inputs, optimizer="adam", world_size=2,
+               sharding="fsdp")
+    assert p.peak_bytes <= p.budget_bytes and any(a != LayerAction.NONE for a in p.actions)
+    assert p.sharding == "fsdp" and p.world_size == 2
