@@ -45,7 +45,7 @@ from graphs.compute_graph import BACKWARD_START, ComputeGraph
 from graphs.errors import CaptureError
 from graphs.hardware import Hardware, get_hardware
 
-__all__ = ["capture", "CaptureInfo", "default_loss"]
+__all__ = ["capture", "CaptureInfo", "default_loss", "is_random_op"]
 
 log = logging.getLogger(__name__)
 
@@ -336,7 +336,17 @@ def _op_name(node: torch.fx.Node) -> str:
     return str(node.target) if node.op == "call_function" else node.op
 
 
-def _is_random(node: torch.fx.Node) -> bool:
+def is_random_op(node: torch.fx.Node) -> bool:
+    """Does ``node`` draw from a random generator (dropout's ``bernoulli``, ``rand``...)?
+
+    Examples
+    --------
+    >>> g = torch.fx.Graph(); x = g.placeholder("x")
+    >>> is_random_op(g.call_function(torch.ops.aten.bernoulli.p, (x, 0.9)))
+    True
+    >>> is_random_op(g.call_function(torch.ops.aten.relu.default, (x,)))
+    False
+    """
     if not isinstance(node.target, torch._ops.OpOverload):
         return False
     if torch.Tag.nondeterministic_seeded in node.target.tags:
@@ -611,7 +621,7 @@ def _build(gm: torch.fx.GraphModule, storage: dict, *, name: str, shared: dict[s
             bytes=rec.bytes,
             flops=int(node.meta.get("remat_flops", 0)),
             time=float(node.meta.get("remat_time", 0.0)),
-            recomputable=not _is_random(node),
+            recomputable=not is_random_op(node),
             name=_readable_name(node),
             alias_of=rec.base if rec.alias else None,
             source=costs.source_line(node),

@@ -34,6 +34,7 @@ from typing import Hashable, Iterable, Sequence
 import torch
 import torch.fx as fx
 
+from graphs.capture import is_random_op
 from graphs.errors import RematError
 
 __all__ = ["RewriteError", "partition_by_schedule", "boxed", "rng_state_bytes", "replay_random_ops"]
@@ -129,11 +130,6 @@ def _device_of(node: fx.Node) -> torch.device:
     return val.device if isinstance(val, torch.Tensor) else torch.device("cpu")
 
 
-def _is_random(node: fx.Node) -> bool:
-    return (node.op == "call_function" and isinstance(node.target, torch._ops.OpOverload)
-            and torch.Tag.nondeterministic_seeded in node.target.tags)
-
-
 def boxed(gm: fx.GraphModule) -> fx.GraphModule:
     """Switch ``gm`` to the boxed calling convention (inputs as one list that the graph
     clears, so each input is freed after its last use)."""
@@ -222,7 +218,7 @@ def partition_by_schedule(
     counts: dict[str, int] = {}
     for s in seq:
         counts[s] = counts.get(s, 0) + 1
-    replayed = {s for s, c in counts.items() if c > 1 and _is_random(nodes[s])}
+    replayed = {s for s, c in counts.items() if c > 1 and is_random_op(nodes[s])}
     runs_so_far: dict[str, int] = {}
 
     def run_step(g: fx.Graph, env: dict, i: int, s: str, resolve, saved_state) -> None:

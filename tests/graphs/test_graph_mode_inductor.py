@@ -1,0 +1,99 @@
+"""ScheduledStep with compiler="inductor": the schedule's forward and backward graphs
+compiled by torch inductor give the model's loss and gradients."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+import solver
+from examples import models
+from graphs.capture import capture, default_loss
+from graphs.errors import RematError
+from graphs.graph_mode import ScheduledStep
+from solver.simulate import simulate
+
+
+def _graph(model, inputs):
+    return capture(model, inputs, backward="outputs", inplace="functional", measure_time=False)
+
+
+def _steps(model, inputs, run, n=2):
+    """Loss and gradients of ``n`` training steps of ``run(args)``, seeded alike."""
+    out = []
+    with torch.random.fork_rng():
+        torch.manual_seed(1234)
+        for _ in range(n):
+            for p in model.parameters():
+                p.grad = None
+            loss = default_loss(run(inputs))
+            loss.backward()
+            out.append((loss.detach(), [p.grad.detach().clone() for p in model.parameters()]))
+    for p in model.parameters():
+        p.grad = None
+    return out
+
+
+def _assert_same(got, want):
+    for (lg, gg), (lw, gw) in zip(got, want):
+        torch.testing.assert_close(lg, lw, rtol=1e-4, atol=1e-5)
+        assert len(gg) == len(gw)
+        for a, b in zip(gg, gw):
+            torch.testing.assert_close(a, b, rtol=1e-4, atol=1e-5)
+
+
+@pytest.mark.slow
+def test_inductor_step_matches_eager_on_a_recomputing_gpt_schedule():
+    model, inputs = models.gpt(n_layer=2, d=64, seq=32, batch=4)
+    cg = _graph(model, inputs)
+    store_all = simulate(cg, cg.order).peak_bytes
+    sched = solver.solve(cg, int(0.6 * store_all), method="eviction")
+    assert any(c > 1 for c in sched.counts().values())  # the backward recomputes
+    step = ScheduledStep(cg, sched.sequence, compiler="inductor")
+    assert step.compiler == "inductor"
+    assert step.inductor_graphs.get("forward", 0) >= 1 and step.inductor_graphs.get("backward", 0) >= 1
+    got = _steps(model, inputs, lambda a: step(model, a, {}))
+    want = _steps(model, inputs, lambda a: model(*a))
+    _assert_same(got, want)
+    eager = ScheduledStep(cg, sched.sequence)
+    assert eager.saved == step.saved  # the same cut: the forward keeps the same values
+    _assert_same(got, _steps(model, inputs, lambda a: eager(model, a, {})))
+
+
+@pytest.mark.slow
+def test_inductor_step_replays_recomputed_dropout_draws():
+    # random ops are never recomputed by the solvers (capture marks them so); here they
+    # are, to check that a replayed draw under inductor is still the first run's
+    model, inputs = models.gpt(n_layer=1, d=32, seq=16, batch=2)
+    cg = _graph(model, inputs)
+    random_ops = [v for v in cg.ops if "bernoulli" in str(cg[v]["op"])]
+    assert random_ops
+    for v in random_ops:
+        cg[v]["recomputable"] = True
+    sched = solver.solve(cg, simulate(cg, cg.order).peak_bytes, method="checkpoint_all")
+    assert any(sched.counts()[v] > 1 for v in random_ops)
+    step = ScheduledStep(cg, sched.sequence, compiler="inductor")
+    assert step.inductor_graphs.get("backward", 0) >= 2  # split around the replayed draws
+    got = _steps(model, inputs, lambda a: step(model, a, {}))
+    _assert_same(got, _steps(model, inputs, lambda a: model(*a)))
+
+
+def test_inductor_failure_raises_rematerror_suggesting_eager(monkeypatch):
+    import torch._inductor.compile_fx as inductor_fx
+
+    def broken(*args, **kwargs):
+        raise RuntimeError("no C++ compiler found")
+
+    monkeypatch.setattr(inductor_fx, "compile_fx_inner", broken)
+    model, inputs = models.mlp(batch=4, d_in=8, hidden=16, depth=2)
+    cg = _graph(model, inputs)
+    with pytest.raises(RematError, match="compiler='eager'") as info:
+        ScheduledStep(cg, cg.order, compiler="inductor")
+    assert "no C++ compiler found" in str(info.value)
+
+
+def test_unknown_compiler_is_refused():
+    model, inputs = models.mlp(batch=4, d_in=8, hidden=16, depth=2)
+    cg = _graph(model, inputs)
+    with pytest.raises(RematError, match="compiler must be one of"):
+        ScheduledStep(cg, cg.order, compiler="tvm")
