@@ -63,6 +63,16 @@ def _init(rank: int, world: int, port: int) -> None:
     torch.set_num_threads(1)
 
 
+def _exit_cleanly() -> None:
+    """End a worker whose results are written: leave without the interpreter's teardown,
+    where a process-group thread still joinable at exit can abort the process
+    ("terminate called without an active exception") after all its work is done.
+    Reached only when the worker returned normally; an exception still propagates."""
+    sys.stdout.flush()
+    sys.stderr.flush()
+    os._exit(0)
+
+
 def _write(out_dir: str, rank: int, data: dict) -> None:
     pathlib.Path(out_dir, f"rank{rank}.json").write_text(json.dumps(data))
 
@@ -157,6 +167,7 @@ def fsdp_worker(rank: int, world: int, port: int, out_dir: str, action: str) -> 
         _write(out_dir, rank, res)
     finally:
         dist.destroy_process_group()
+    _exit_cleanly()
 
 
 def ddp_worker(rank: int, world: int, port: int, out_dir: str, mode: str) -> None:
@@ -194,6 +205,7 @@ def ddp_worker(rank: int, world: int, port: int, out_dir: str, mode: str) -> Non
         _write(out_dir, rank, res)
     finally:
         dist.destroy_process_group()
+    _exit_cleanly()
 
 
 def optimize_worker(rank: int, world: int, port: int, out_dir: str, sharding: str, mode: str) -> None:
@@ -235,3 +247,4 @@ def optimize_worker(rank: int, world: int, port: int, out_dir: str, sharding: st
         _write(out_dir, rank, res)
     finally:
         dist.destroy_process_group()
+    _exit_cleanly()
