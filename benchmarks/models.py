@@ -18,12 +18,11 @@ Variants: ``eager`` (no checkpointing); ``ckpt_blocks`` (non-reentrant
 ``ckpt_sequential`` (``checkpoint_sequential`` with sqrt(L) segments, where the model is
 a sequence of blocks); ``compile_budget`` (``torch.compile`` with
 ``torch._functorch.config.activation_memory_budget`` set to the budget's fraction);
-``remat_graph`` and ``remat_module``; ``remat_graph_inductor`` (the plan of ``remat_graph``,
-its forward and backward graphs compiled by inductor: ``ScheduledStep(...,
-compiler="inductor")``). "fits" is judged on the live-tensor tracker where it sees every
-tensor (eager and remat variants) and on resident memory for compiled ones (for
-``remat_graph_inductor`` the tracker's figure, which misses inductor's own buffers, is
-reported beside it).
+``remat_graph`` and ``remat_module``; ``remat_graph_inductor`` (``solver.optimize(...,
+compiler="inductor")``: the graph-mode plan, its forward and backward graphs compiled by
+inductor in segments that keep to the budget). "fits" is judged on the live-tensor
+tracker where it sees every tensor (eager and remat variants, inductor's buffers
+included) and on resident memory for torch.compile's variants.
 
 Usage::
 
@@ -57,8 +56,8 @@ VARIANTS = ["eager", "ckpt_blocks", "ckpt_blocks_compile", "ckpt_sequential", "c
             "remat_graph", "remat_graph_inductor", "remat_module"]
 COMPILED = {"ckpt_blocks_compile", "compile_budget", "remat_graph_inductor"}
 PER_BUDGET = {"compile_budget", "remat_graph", "remat_graph_inductor", "remat_module"}
-#: compiled variants whose tensors the live-tensor tracker sees only in part
-TRACKER_PARTIAL = {"remat_graph_inductor"}
+#: compiled variants whose tensors the live-tensor tracker does not see
+TRACKER_BLIND = {"ckpt_blocks_compile", "compile_budget"}
 
 
 # ----------------------------------------------------------------------------- one run
@@ -148,15 +147,14 @@ def run_one(model_name: str, variant: str, fraction: float | None, store_all: in
         import solver
 
         mode = "module" if variant == "remat_module" else "graph"
+        compiler = "inductor" if variant == "remat_graph_inductor" else "eager"
         try:
-            step_model = solver.optimize(model, fraction * store_all / GiB, inputs, mode=mode)
+            step_model = solver.optimize(model, fraction * store_all / GiB, inputs, mode=mode, compiler=compiler)
         except solver.InfeasibleBudget as exc:
             return {**out, "status": "infeasible", "smallest_feasible": exc.smallest_feasible_bytes}
         rep = step_model.report
         out.update(predicted_peak=rep.predicted_peak_bytes, predicted_overhead=rep.predicted_overhead,
-                   method=rep.method, budget=rep.budget_bytes)
-        if variant == "remat_graph_inductor":
-            out["inductor_compile_s"] = _compile_with_inductor(step_model)
+                   method=rep.method, budget=rep.budget_bytes, notes=list(rep.notes))
 
     from graphs.capture import default_loss
 
@@ -188,30 +186,14 @@ def run_one(model_name: str, variant: str, fraction: float | None, store_all: in
     for p in model.parameters():
         p.grad = None
     out["peak"] = baseline + max(0, hwm - rss0)
-    if variant not in COMPILED or variant in TRACKER_PARTIAL:
+    if variant not in TRACKER_BLIND:
         with MemoryTracker(model, inputs) as tracker:
             default_loss(step_model(*inputs)).backward()
-        out["tracker_peak" if variant not in TRACKER_PARTIAL else "tracker_seen_peak"] = tracker.peak_bytes
+        out["tracker_peak"] = tracker.peak_bytes
         for p in model.parameters():
             p.grad = None
     out["status"] = "ok"
     return out
-
-
-def _compile_with_inductor(step_model) -> float | None:
-    """Replace the planned graph-mode steps of ``solver.optimize(..., mode="graph")``'s
-    module by the same schedule compiled with inductor; seconds spent (None: the
-    store-all schedule fit, the step runs the original forward, nothing to compile)."""
-    from graphs.graph_mode import ScheduledStep
-
-    rep = step_model.report
-    t0 = time.perf_counter()
-    swapped = False
-    for key, planned in list(step_model.remat_steps.items()):
-        if isinstance(planned, ScheduledStep):
-            step_model.remat_steps[key] = ScheduledStep(rep.graph, rep.schedule.sequence, compiler="inductor")
-            swapped = True
-    return time.perf_counter() - t0 if swapped else None
 
 
 def store_all_peak(model_name: str) -> int:
@@ -265,7 +247,6 @@ def _fmt(rows: list[dict], store: dict) -> str:
         lines.append(
             f"| {r['model']} | {'-' if frac is None else f'{frac:.0%}'} | {r['variant']} | {r['peak'] / 2**20:.1f}"
             + (f" (tracker {r['tracker_peak'] / 2**20:.1f})" if "tracker_peak" in r else "")
-            + (f" (tracker sees {r['tracker_seen_peak'] / 2**20:.1f})" if "tracker_seen_peak" in r else "")
             + f" | {fits} | {rel:.2f}x | {pred} | {r['planning_s']:.1f} |"
         )
     return "\n".join(lines)

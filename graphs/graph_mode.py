@@ -6,10 +6,13 @@ backward="outputs")``) with AOTAutograd's runtime, cutting the joint graph with
 schedule stores and the backward recomputes the rest where the schedule says. Both graphs
 are plain fx code (boxed, freeing every value after its last use), run eagerly, or, with
 ``compiler="inductor"``, compiled by torch inductor after the cut (inductor never sees the
-joint graph, so it cannot move a value across it): each graph is decomposed with
-inductor's decomposition table and compiled with ``compile_fx_inner``; random ops and the
-generator-state steps that replay them run as plain fx code between compiled segments,
-so every draw is eager's (:func:`graphs.rewrite.partition_by_schedule`).
+joint graph, so it cannot move a value across it). A graph is cut into segments
+(:func:`memory_profile` gives the bytes live before each op): random ops and the
+generator-state steps that replay them run as plain fx code, so every draw is eager's,
+and a segment ends where inductor, which fuses and reorders inside it, could go above the
+plain code's peak plus a headroom. Each segment is decomposed with inductor's
+decomposition table and compiled with ``compile_fx_inner``; its buffers are allocated
+through the dispatcher, so :class:`graphs.memory.MemoryTracker` sees them.
 
 :func:`wrap_graph_mode` returns a drop-in module: a shallow copy of the user's model (same
 class, parameters, buffers and ``state_dict`` keys) whose forward plans on the first call
@@ -34,9 +37,9 @@ from torch.utils import _pytree as pytree
 from graphs.capture import is_random_op
 from graphs.compute_graph import BACKWARD_START, ComputeGraph
 from graphs.errors import RematError
-from graphs.rewrite import boxed, partition_by_schedule
+from graphs.rewrite import _is_view, boxed, partition_by_schedule
 
-__all__ = ["ScheduledStep", "wrap_graph_mode", "input_signature", "COMPILERS"]
+__all__ = ["ScheduledStep", "wrap_graph_mode", "input_signature", "memory_profile", "COMPILERS"]
 
 log = logging.getLogger(__name__)
 
@@ -60,39 +63,148 @@ def _runs_eagerly(node: torch.fx.Node) -> bool:
     return is_random_op(node)
 
 
-#: a run of fewer deterministic ops than this between two random ones runs eagerly too
-#: (an inductor compile costs about a second on CPU; a few ops gain nothing from it)
+#: a run of fewer deterministic ops than this runs eagerly (an inductor compile costs
+#: about a second on CPU; a few ops gain nothing from it)
 _MIN_SEGMENT_OPS = 4
 
 
-def _segments(gm: torch.fx.GraphModule) -> dict[torch.fx.Node, int]:
-    """Number consecutive runs of nodes that inductor compiles and of nodes that run
-    eagerly; odd numbers run eagerly. A ``getitem`` goes with the op it projects."""
-    nodes = [n for n in gm.graph.nodes if n.op not in ("placeholder", "output")]
-    eager: dict[torch.fx.Node, bool] = {}
-    for node in nodes:
-        src = node.args[0] if node.target is operator.getitem and node.args else None
-        eager[node] = eager[src] if isinstance(src, torch.fx.Node) and src in eager else _runs_eagerly(node)
-    if any(eager.values()):  # short deterministic runs join their eager neighbours
-        run: list[torch.fx.Node] = []
-        for node in nodes + [None]:
-            if node is not None and not eager[node]:
-                run.append(node)
-                continue
-            if run and sum(1 for n in run if n.target is not operator.getitem) < _MIN_SEGMENT_OPS:
-                eager.update(dict.fromkeys(run, True))
-            run = []
-    part: dict[torch.fx.Node, int] = {}
-    current = 0
-    for node in nodes:
-        src = node.args[0] if node.target is operator.getitem and node.args else None
-        if isinstance(src, torch.fx.Node) and src in part:
-            part[node] = part[src]
+def _tensor_bytes(val: Any) -> int:
+    if isinstance(val, torch.Tensor):
+        try:
+            return int(val.untyped_storage().nbytes())
+        except Exception:  # noqa: BLE001  (a tensor without storage: count its elements)
+            return val.numel() * val.element_size()
+    if isinstance(val, (tuple, list)):
+        return sum(_tensor_bytes(v) for v in val)
+    return 0
+
+
+def memory_profile(gm: torch.fx.GraphModule, *, is_backward: bool) -> tuple[list[torch.fx.Node], list[int], list[int]]:
+    """Bytes live before each op of a boxed graph and bytes each op allocates.
+
+    A view (or a ``getitem`` of a multi-output op) shares its base's storage, which lives
+    until the last use of any alias; a graph output lives to the end. Inputs of a forward
+    graph, and the parameters and user inputs a backward graph reads, are held outside the
+    graph and never freed; every other input (saved values, output gradients) is freed
+    after its last use, as the boxed calling convention does.
+
+    Returns
+    -------
+    ops : list of torch.fx.Node
+        The graph's call nodes, in order.
+    live_before : list of int
+        Bytes live when each op starts (its inputs included, its output not).
+    alloc : list of int
+        Bytes each op's output adds (0 for views and projections).
+
+    Examples
+    --------
+    >>> from torch.fx.experimental.proxy_tensor import make_fx
+    >>> gm = make_fx(lambda x: ((x * 2).relu(),))(torch.randn(4))
+    >>> ops, live_before, alloc = memory_profile(gm, is_backward=False)
+    >>> [n.name for n in ops], live_before, alloc
+    (['mul', 'relu'], [16, 32], [16, 16])
+    """
+    nodes = [n for n in gm.graph.nodes if n.op != "output"]
+    index = {n: i for i, n in enumerate(nodes)}
+    end = len(nodes)
+    # a storage is (node, element): element None for a one-tensor value, i for the i-th
+    # output of a multi-output op
+    root: dict[torch.fx.Node, tuple] = {}
+    size: dict[tuple, int] = {}
+    made: dict[tuple, int] = {}
+    for n in nodes:
+        src = n.args[0] if n.args and isinstance(n.args[0], torch.fx.Node) else None
+        val = n.meta.get("val")
+        if n.op == "call_function" and n.target is operator.getitem and src is not None:
+            root[n] = root[src] if root.get(src) is not None else (src, n.args[1])
+        elif n.op == "call_function" and src is not None and _is_view(n):
+            root[n] = root[src]
+        elif isinstance(val, (tuple, list)):
+            root[n] = None  # its elements are the storages
+            for i, v in enumerate(val):
+                size[(n, i)], made[(n, i)] = _tensor_bytes(v), index[n]
+        else:
+            root[n] = (n, None)
+            size[root[n]], made[root[n]] = _tensor_bytes(val), index[n]
+    last: dict[tuple, int] = {key: made[key] for key in size}
+    for n in nodes:
+        held = n.op == "placeholder" and (not is_backward or n.name.startswith("primals"))
+        use = end if held or any(u.op == "output" for u in n.users) else max(
+            (index[u] for u in n.users), default=index[n])
+        keys = [root[n]] if root[n] is not None else [k for k in size if k[0] is n]
+        for key in keys:  # a tuple holds every element until its last projection
+            if key in last:
+                last[key] = max(last[key], use)
+    delta = [0] * (end + 2)
+    for key, b in size.items():
+        delta[made[key] + 1] += b  # live from the step after it is made ...
+        delta[last[key] + 1] -= b  # ... through its last use
+    ops, live_before, alloc, live = [], [], [], 0
+    for i, n in enumerate(nodes):
+        live += delta[i]
+        if n.op == "placeholder":
             continue
-        if eager[node] != bool(current % 2):
-            current += 1
-        part[node] = current
-    return part
+        ops.append(n)
+        live_before.append(live)
+        own = root[n] is None or root[n] == (n, None)
+        alloc.append(_tensor_bytes(n.meta.get("val")) if own else 0)
+    return ops, live_before, alloc
+
+
+def _segments(gm: torch.fx.GraphModule, *, is_backward: bool = False,
+              headroom: int | None = None) -> tuple[dict[torch.fx.Node, int], set[int]]:
+    """Cut a graph into runs that inductor compiles and runs that run eagerly.
+
+    Random ops and plain Python calls run eagerly. With ``headroom`` (bytes), a compiled
+    run is also cut wherever inductor could otherwise go above the graph's eager peak
+    plus ``headroom``: inductor fuses and reorders inside a run, so a run is taken as
+    holding everything it allocates until it ends, on top of what is live when it starts.
+    Runs of fewer than ``_MIN_SEGMENT_OPS`` ops run eagerly. A ``getitem`` or a view goes
+    with the op before it.
+
+    Returns
+    -------
+    part : dict
+        Node to segment number (ascending in graph order).
+    compiled : set of int
+        The segment numbers that inductor compiles.
+    """
+    ops, live_before, alloc = memory_profile(gm, is_backward=is_backward)
+    ceiling = None
+    if headroom is not None and ops:
+        ceiling = max(b + a for b, a in zip(live_before, alloc)) + max(0, int(headroom))
+    runs: list[list[int]] = []  # op indices of each segment
+    kinds: list[bool] = []      # segment compiled?
+    seg_of: dict[torch.fx.Node, int] = {}
+    start_live = used = 0
+    for i, node in enumerate(ops):
+        src = node.args[0] if node.target is operator.getitem and node.args else None
+        compiled = not _runs_eagerly(node)
+        if src in seg_of:  # a projection goes with its op
+            k = seg_of[src]
+        elif runs and alloc[i] == 0 and _is_view(node):  # a view costs nothing where it runs
+            k = len(runs) - 1
+        elif runs and compiled == kinds[-1] and (
+                not compiled or ceiling is None or start_live + used + alloc[i] <= ceiling):
+            k = len(runs) - 1
+            used += alloc[i]
+        else:
+            runs.append([])
+            kinds.append(compiled)
+            k = len(runs) - 1
+            start_live, used = live_before[i], alloc[i]
+        runs[k].append(i)
+        seg_of[node] = k
+    part: dict[torch.fx.Node, int] = {}
+    chosen: set[int] = set()
+    for k, (run, compiled) in enumerate(zip(runs, kinds)):
+        n_ops = sum(1 for i in run if ops[i].target is not operator.getitem and alloc[i] > 0)
+        if compiled and n_ops >= _MIN_SEGMENT_OPS:
+            chosen.add(k)
+        for i in run:
+            part[ops[i]] = k
+    return part, chosen
 
 
 class _Compiled(nn.Module):
@@ -135,6 +247,9 @@ def _inductor(gm: torch.fx.GraphModule, example_inputs: Sequence, *, is_backward
         if fake_mode is not None:
             stack.enter_context(fake_mode)
         lowered = make_fx(gm, decomposition_table=select_decomp_table())(*example_inputs)
+    if segment:  # the next segment, or an eager op, reads these with the strides fx recorded
+        out = lowered.graph.output_node()
+        out.meta["user_visible_output_idxs"] = list(range(len(out.args[0])))
     with contextlib.ExitStack() as stack:
         if fake_mode is not None:
             stack.enter_context(V.set_fake_mode(fake_mode))
@@ -142,36 +257,44 @@ def _inductor(gm: torch.fx.GraphModule, example_inputs: Sequence, *, is_backward
             stack.enter_context(torch._guards.tracing(None))
         # random ops left after decomposition draw from the global generator, as eager
         stack.enter_context(inductor_config.patch(fallback_random=True))
-        return inductor_fx.compile_fx_inner(lowered, example_inputs, is_backward=is_backward)
+        if segment:  # no copies into another layout: a segment allocates what its fx ops make
+            stack.enter_context(inductor_config.patch(layout_optimization=False))
+        compiled = inductor_fx.compile_fx_inner(lowered, example_inputs, is_backward=is_backward)
+    _allocate_through_dispatcher(compiled)
+    return compiled
 
 
-def _inductor_compiler(is_backward: bool, compiled: dict[str, int]) -> Callable:
+def _empty_strided(size: Sequence[int], stride: Sequence[int], dtype: torch.dtype, *, device: str) -> torch.Tensor:
+    return torch.empty_strided(size, stride, dtype=dtype, device=device)
+
+
+def _allocate_through_dispatcher(compiled: Any) -> None:
+    """Make the buffers of inductor's generated code ordinary ``torch.empty_strided``
+    calls, so that :class:`graphs.memory.MemoryTracker` (a dispatch mode) sees every
+    tensor of a compiled step. Inductor's code allocates through a direct C++ binding
+    otherwise; the cost is one dispatcher call per buffer."""
+    namespace = getattr(getattr(compiled, "current_callable", None), "__globals__", None)
+    if namespace is None:
+        raise RematError("compiler='inductor': the compiled graph has no generated Python module to instrument "
+                         "(is inductor's C++ wrapper on?); use compiler='eager'")
+    for device in ("cpu", "cuda", "xpu"):
+        if f"empty_strided_{device}" in namespace:
+            namespace[f"empty_strided_{device}"] = functools.partial(_empty_strided, device=device)
+
+
+def _inductor_compiler(is_backward: bool, compiled: dict[str, int], headroom: int | None) -> Callable:
     """AOTAutograd's ``fw_compiler``/``bw_compiler`` for one of the partitioned graphs:
-    inductor for the deterministic segments, plain fx code for the random ones (the
+    inductor for the segments :func:`_segments` gives it, plain fx code for the rest (the
     number of inductor graphs goes to ``compiled[which]``)."""
     which = "backward" if is_backward else "forward"
 
     def compile_graph(gm: torch.fx.GraphModule, example_inputs: Sequence) -> Any:
         try:
-            part = _segments(gm)
-            if not any(p % 2 for p in part.values()):
+            part, chosen = _segments(gm, is_backward=is_backward, headroom=headroom)
+            if len(set(part.values())) == 1 and chosen:
                 compiled[which] = 1
                 return _inductor(gm, example_inputs, is_backward=is_backward)
-            from torch.fx.passes.split_module import split_module
-
-            fake_mode = torch._guards.detect_fake_mode(example_inputs)
-            if fake_mode is None:
-                fake_mode = torch._subclasses.FakeTensorMode(allow_non_fake_inputs=True)
-            split = split_module(gm, gm, lambda n: part[n], keep_original_order=True,
-                                 keep_original_node_name=True, tuple_return=True)
-            for name, sub in list(split.named_children()):
-                if int(name.rsplit("_", 1)[-1]) % 2 == 0:
-                    fn = _inductor(sub, _fake_inputs(sub, fake_mode), is_backward=is_backward, segment=True)
-                    setattr(split, name, _Compiled(fn))
-                    compiled[which] = compiled.get(which, 0) + 1
-            log.info("compiler='inductor': the %s graph runs as %d segments (random ops run eagerly)",
-                     which, len(list(split.children())))
-            return boxed(split)
+            return boxed(_fuse_segments(gm, part, chosen, example_inputs, is_backward, compiled, which))
         except RematError:
             raise
         except Exception as exc:
@@ -185,6 +308,59 @@ def _inductor_compiler(is_backward: bool, compiled: dict[str, int]) -> Callable:
     return compile_graph
 
 
+def _fuse_segments(gm: torch.fx.GraphModule, part: dict[torch.fx.Node, int], chosen: set[int],
+                   example_inputs: Sequence, is_backward: bool, compiled: dict[str, int],
+                   which: str) -> torch.fx.GraphModule:
+    """A copy of ``gm`` in which each chosen segment is one call of its inductor-compiled
+    graph, made where the segment's first node was; every other node stays plain fx
+    code, in its place."""
+    members: dict[int, list[torch.fx.Node]] = {}
+    for node in gm.graph.nodes:
+        if part.get(node) in chosen:
+            members.setdefault(part[node], []).append(node)
+    fake_mode = torch._guards.detect_fake_mode(example_inputs)
+    if fake_mode is None:
+        fake_mode = torch._subclasses.FakeTensorMode(allow_non_fake_inputs=True)
+    root = nn.Module()
+    graph = torch.fx.Graph()
+    env: dict[torch.fx.Node, torch.fx.Node] = {}
+    for node in gm.graph.nodes:
+        k = part.get(node)
+        if k not in chosen:
+            env[node] = graph.node_copy(node, lambda n: env[n])
+            continue
+        group = members[k]
+        if node is not group[0]:
+            continue  # made with its segment
+        inside = set(group)
+        inputs = list(dict.fromkeys(a for n in group for a in n.all_input_nodes if a not in inside))
+        outputs = [n for n in group if any(u not in inside for u in n.users)]
+        if any(a not in env for a in inputs):
+            raise RematError(f"compiler='inductor': a segment of the {which} graph reads a value made after "
+                             "its first op; use compiler='eager'")
+        sub = torch.fx.Graph()
+        sub_env: dict[torch.fx.Node, torch.fx.Node] = {}
+        for a in inputs:
+            sub_env[a] = sub.placeholder(a.name)
+            sub_env[a].meta = dict(a.meta)
+        for n in group:
+            sub_env[n] = sub.node_copy(n, lambda x: sub_env[x])
+        sub.output(tuple(sub_env[n] for n in outputs))
+        sub_gm = torch.fx.GraphModule(gm, sub)
+        fn = _inductor(sub_gm, _fake_inputs(sub_gm, fake_mode), is_backward=is_backward, segment=True)
+        name = f"inductor_{len(list(root.children()))}"
+        root.add_module(name, _Compiled(fn))
+        call = graph.call_module(name, tuple(env[a] for a in inputs))
+        for i, n in enumerate(outputs):
+            env[n] = graph.call_function(operator.getitem, (call, i))
+            env[n].meta = dict(n.meta)
+        compiled[which] = compiled.get(which, 0) + 1
+    eager_ops = sum(1 for n in gm.graph.nodes if n.op == "call_function" and part.get(n) not in chosen)
+    log.info("compiler='inductor': %d segments of the %s graph compiled, %d ops run eagerly",
+             compiled.get(which, 0), which, eager_ops)
+    return torch.fx.GraphModule(root, graph)
+
+
 class ScheduledStep:
     """One captured step compiled to run ``sequence``.
 
@@ -196,10 +372,18 @@ class ScheduledStep:
         The schedule's steps.
     compiler : {"eager", "inductor"}
         How the forward and backward graphs run: ``"eager"``, as plain fx code;
-        ``"inductor"``, compiled by torch inductor (the same cut: the forward keeps
-        exactly the stored values; random ops run eagerly between compiled segments so
-        that recomputed draws are the first run's). Compiling takes seconds to minutes
-        on CPU and needs a C++ compiler there.
+        ``"inductor"``, compiled by torch inductor after the same cut (the forward keeps
+        exactly the stored values), in segments: random ops run eagerly between them so
+        that recomputed draws are the first run's, and a segment ends where inductor's
+        fusion and reordering could take the graph over its limit (see ``headroom``).
+        Compiling takes seconds to minutes on CPU and needs a C++ compiler there.
+    headroom : int, (int, int) or None
+        With ``compiler="inductor"``: bytes a compiled segment may add to the peak of
+        the plain fx code of its graph (one figure, or one for the forward and one for
+        the backward graph). A segment is taken to hold everything it allocates until
+        it ends, on top of what is live when it starts, and is cut where that would go
+        over; runs of fewer than four ops run eagerly. ``None``: no limit (whole graphs
+        compile; fastest, but the peak is inductor's, not the schedule's).
 
     Raises
     ------
@@ -223,12 +407,12 @@ class ScheduledStep:
     saved : list of str
         The values the forward keeps for backward.
     inductor_graphs : dict
-        With ``compiler="inductor"``: how many graphs inductor compiled for the
-        ``"forward"`` and the ``"backward"`` (more than one where random ops split a
-        graph into segments).
+        With ``compiler="inductor"``: how many segments inductor compiled for the
+        ``"forward"`` and the ``"backward"`` graph.
     """
 
-    def __init__(self, graph: ComputeGraph, sequence: Sequence[Hashable], *, compiler: str = "eager") -> None:
+    def __init__(self, graph: ComputeGraph, sequence: Sequence[Hashable], *, compiler: str = "eager",
+                 headroom: int | tuple[int, int] | None = 0) -> None:
         from torch._functorch.aot_autograd import aot_compile_joint_with_descriptors
 
         if compiler not in COMPILERS:
@@ -244,8 +428,9 @@ class ScheduledStep:
         self.info = info
         fw_comp = bw_comp = _compiler
         if compiler == "inductor":
-            fw_comp, bw_comp = (_inductor_compiler(False, self.inductor_graphs),
-                                _inductor_compiler(True, self.inductor_graphs))
+            fw_room, bw_room = headroom if isinstance(headroom, tuple) else (headroom, headroom)
+            fw_comp, bw_comp = (_inductor_compiler(False, self.inductor_graphs, fw_room),
+                                _inductor_compiler(True, self.inductor_graphs, bw_room))
         with contextlib.ExitStack() as stack:
             jd = info.export_joint(stack)
             self.params_spec = list(jd.params_spec)
