@@ -4,13 +4,17 @@ For a GPT-style model (8 layers, d=256, seq 256, batch 8), a ResNet-style CNN an
 U-Net-style model, at budgets of 70 %, 50 % and 30 % of the store-all peak, every variant
 is run in a fresh process and measured:
 
-* peak: bytes of parameters, buffers and inputs (before the step) plus the growth of the
-  process's peak resident memory during one step (``VmHWM`` reset through
-  ``/proc/self/clear_refs``, with glibc's mmap threshold fixed at 64 KiB so that freed
-  tensors leave resident memory); this covers compiled code too. Eager variants also
-  report the live-tensor tracker (``graphs.memory.MemoryTracker``).
 * step time: process CPU time of forward+backward with one thread, median of 5 steps
-  after 2 warm-ups, relative to the plain model measured the same way.
+  after 2 warm-ups, relative to the plain model measured the same way, with glibc's
+  default allocator settings (freed memory is reused, as a device's caching allocator
+  does). The same process reports the live-tensor tracker's peak
+  (``graphs.memory.MemoryTracker``) for every variant whose tensors it sees.
+* peak: measured in a second process, with glibc's mmap threshold fixed at 64 KiB so
+  that freed tensors leave resident memory (which makes every allocation a page-fault
+  cost, hence not the process that times): bytes of parameters, buffers and inputs
+  (before the step) plus the growth of the peak resident memory during one step
+  (``VmHWM`` reset through ``/proc/self/clear_refs``); this covers compiled code too.
+  remat plans again in that process, so its plan can differ slightly from the timed one.
 * planning time: capture + solve (remat) or compile (torch.compile).
 
 Variants: ``eager`` (no checkpointing); ``ckpt_blocks`` (non-reentrant
@@ -117,7 +121,8 @@ def _sequential(name, model):
     return False  # the U-Net's long skips make it no sequence of blocks
 
 
-def run_one(model_name: str, variant: str, fraction: float | None, store_all: int | None) -> dict:
+def run_one(model_name: str, variant: str, fraction: float | None, store_all: int | None,
+            part: str = "time") -> dict:
     import torch
 
     torch.set_num_threads(1)
@@ -167,25 +172,25 @@ def run_one(model_name: str, variant: str, fraction: float | None, store_all: in
     step()  # compiles / plans lazily where needed
     out["planning_s"] = time.perf_counter() - t0
     step()
+    if part == "memory":  # baseline tensors + growth of the resident peak during one step
+        with MemoryTracker(model, inputs) as tracker:
+            pass
+        baseline = tracker.baseline_bytes
+        rss0, _ = _rss_hwm()
+        _reset_hwm()
+        loss = default_loss(step_model(*inputs))
+        loss.backward()
+        del loss
+        _, hwm = _rss_hwm()
+        out["peak"] = baseline + max(0, hwm - rss0)
+        out["status"] = "ok"
+        return out
     times = []
     for _ in range(5):
         c0 = time.process_time()
         step()
         times.append(time.process_time() - c0)
     out["step_cpu_s"] = statistics.median(times)
-    # memory: baseline tensors + growth of the resident peak during one step
-    with MemoryTracker(model, inputs) as tracker:
-        pass
-    baseline = tracker.baseline_bytes
-    rss0, _ = _rss_hwm()
-    _reset_hwm()
-    loss = default_loss(step_model(*inputs))
-    loss.backward()
-    del loss
-    _, hwm = _rss_hwm()
-    for p in model.parameters():
-        p.grad = None
-    out["peak"] = baseline + max(0, hwm - rss0)
     if variant not in TRACKER_BLIND:
         with MemoryTracker(model, inputs) as tracker:
             default_loss(step_model(*inputs)).backward()
@@ -211,17 +216,32 @@ def store_all_peak(model_name: str) -> int:
 
 # ----------------------------------------------------------------------------- driver
 def _child(model_name, variant, fraction, store_all, timeout) -> dict:
-    env = dict(os.environ, MALLOC_MMAP_THRESHOLD_="65536", OMP_NUM_THREADS="1")
-    cmd = [sys.executable, __file__, "--one", model_name, variant, str(fraction), str(store_all)]
-    try:
-        res = subprocess.run(cmd, capture_output=True, text=True, timeout=timeout, env=env, cwd=ROOT)
-    except subprocess.TimeoutExpired:
-        return {"model": model_name, "variant": variant, "fraction": fraction, "status": "timeout"}
-    for line in reversed(res.stdout.splitlines()):
-        if line.startswith("{"):
-            return json.loads(line)
-    err = (res.stderr.strip().splitlines() or ["no output"])[-1]
-    return {"model": model_name, "variant": variant, "fraction": fraction, "status": "error", "error": err[:200]}
+    """One variant: timed in one fresh process, its resident peak measured in another."""
+    out = {}
+    for part in ("time", "memory"):
+        env = dict(os.environ, OMP_NUM_THREADS="1")
+        env.pop("MALLOC_MMAP_THRESHOLD_", None)
+        if part == "memory":
+            env["MALLOC_MMAP_THRESHOLD_"] = "65536"
+        cmd = [sys.executable, __file__, "--one", model_name, variant, str(fraction), str(store_all), part]
+        try:
+            res = subprocess.run(cmd, capture_output=True, text=True, timeout=timeout, env=env, cwd=ROOT)
+        except subprocess.TimeoutExpired:
+            return {"model": model_name, "variant": variant, "fraction": fraction, "status": "timeout"}
+        row = next((json.loads(line) for line in reversed(res.stdout.splitlines()) if line.startswith("{")), None)
+        if row is None:
+            err = (res.stderr.strip().splitlines() or ["no output"])[-1]
+            return {"model": model_name, "variant": variant, "fraction": fraction, "status": "error",
+                    "error": err[:200]}
+        if row.get("status") != "ok":
+            return row
+        if part == "time":
+            out = row
+        else:
+            out["peak"] = row["peak"]
+            if "predicted_peak" in row:
+                out["memory_run_predicted_peak"] = row["predicted_peak"]
+    return out
 
 
 def _fmt(rows: list[dict], store: dict) -> str:
@@ -254,7 +274,8 @@ def _fmt(rows: list[dict], store: dict) -> str:
 
 def main(argv=None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    ap.add_argument("--one", nargs=4, metavar=("MODEL", "VARIANT", "FRACTION", "STORE_ALL"), help=argparse.SUPPRESS)
+    ap.add_argument("--one", nargs=5, metavar=("MODEL", "VARIANT", "FRACTION", "STORE_ALL", "PART"),
+                    help=argparse.SUPPRESS)
     ap.add_argument("--models", default=",".join(MODELS))
     ap.add_argument("--fractions", default="0.7,0.5,0.3")
     ap.add_argument("--variants", default=",".join(VARIANTS))
@@ -263,8 +284,8 @@ def main(argv=None) -> int:
     ap.add_argument("--out", default=os.path.join(ROOT, "benchmarks", "results", "models"))
     args = ap.parse_args(argv)
     if args.one:
-        m, v, f, s = args.one
-        print(json.dumps(run_one(m, v, None if f == "None" else float(f), int(s))))
+        m, v, f, s, part = args.one
+        print(json.dumps(run_one(m, v, None if f == "None" else float(f), int(s), part)))
         return 0
     variants = [v for v in args.variants.split(",") if not (args.quick and v in COMPILED)]
     fractions = [float(x) for x in args.fractions.split(",")]
