@@ -268,15 +268,34 @@ def _empty_strided(size: Sequence[int], stride: Sequence[int], dtype: torch.dtyp
     return torch.empty_strided(size, stride, dtype=dtype, device=device)
 
 
+def _generated_namespace(fn: Any, depth: int = 4) -> dict | None:
+    """The globals of inductor's generated module behind ``fn``, looking through the
+    wrappers inductor may put around it (input alignment: a closure over the call)."""
+    namespace = getattr(fn, "__globals__", None)
+    if namespace is not None and any(k.startswith("empty_strided_") for k in namespace):
+        return namespace
+    if depth == 0:
+        return None
+    inner = [getattr(fn, "__wrapped__", None), getattr(fn, "__func__", None)]
+    inner += [c.cell_contents for c in (getattr(fn, "__closure__", None) or ()) if callable(c.cell_contents)]
+    for candidate in inner:
+        if candidate is not None:
+            found = _generated_namespace(candidate, depth - 1)
+            if found is not None:
+                return found
+    return None
+
+
 def _allocate_through_dispatcher(compiled: Any) -> None:
     """Make the buffers of inductor's generated code ordinary ``torch.empty_strided``
     calls, so that :class:`graphs.memory.MemoryTracker` (a dispatch mode) sees every
     tensor of a compiled step. Inductor's code allocates through a direct C++ binding
     otherwise; the cost is one dispatcher call per buffer."""
-    namespace = getattr(getattr(compiled, "current_callable", None), "__globals__", None)
+    namespace = _generated_namespace(getattr(compiled, "current_callable", None))
     if namespace is None:
-        raise RematError("compiler='inductor': the compiled graph has no generated Python module to instrument "
-                         "(is inductor's C++ wrapper on?); use compiler='eager'")
+        raise RematError("compiler='inductor': found no generated Python module behind a compiled graph "
+                         "(is inductor's C++ wrapper on?), so its memory could not be measured; "
+                         "use compiler='eager'")
     for device in ("cpu", "cuda", "xpu"):
         if f"empty_strided_{device}" in namespace:
             namespace[f"empty_strided_{device}"] = functools.partial(_empty_strided, device=device)

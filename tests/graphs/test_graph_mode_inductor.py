@@ -175,3 +175,19 @@ def test_optimize_refuses_inductor_outside_single_process_graph_mode():
         solver.optimize(model, 1.0, inputs, mode="module", compiler="inductor")
     with pytest.raises(ValueError, match="compiler must be one of"):
         solver.optimize(model, 1.0, inputs, compiler="tvm")
+
+
+def test_the_allocator_redirect_finds_the_generated_module_behind_wrappers():
+    from graphs.graph_mode import _generated_namespace
+
+    namespace = {"empty_strided_cpu": object()}
+    call = eval("lambda args: args", namespace)  # a function whose globals are the module's
+
+    def align(model):
+        def run(new_inputs):
+            return model(new_inputs)
+        return run
+
+    assert _generated_namespace(call) is namespace
+    assert _generated_namespace(align(call)) is namespace
+    assert _generated_namespace(lambda args: args) is None
