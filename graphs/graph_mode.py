@@ -36,6 +36,7 @@ from torch.utils import _pytree as pytree
 
 from graphs.capture import is_random_op
 from graphs.compute_graph import BACKWARD_START, ComputeGraph
+from graphs.costs import _tensor_storage_bytes, annotate_storage
 from graphs.errors import RematError
 from graphs.rewrite import _is_view, boxed, partition_by_schedule
 
@@ -68,17 +69,6 @@ def _runs_eagerly(node: torch.fx.Node) -> bool:
 _MIN_SEGMENT_OPS = 4
 
 
-def _tensor_bytes(val: Any) -> int:
-    if isinstance(val, torch.Tensor):
-        try:
-            return int(val.untyped_storage().nbytes())
-        except Exception:  # noqa: BLE001  (a tensor without storage: count its elements)
-            return val.numel() * val.element_size()
-    if isinstance(val, (tuple, list)):
-        return sum(_tensor_bytes(v) for v in val)
-    return 0
-
-
 def memory_profile(gm: torch.fx.GraphModule, *, is_backward: bool) -> tuple[list[torch.fx.Node], list[int], list[int]]:
     """Bytes live before each op of a boxed graph and bytes each op allocates.
 
@@ -107,39 +97,42 @@ def memory_profile(gm: torch.fx.GraphModule, *, is_backward: bool) -> tuple[list
     """
     nodes = [n for n in gm.graph.nodes if n.op != "output"]
     index = {n: i for i, n in enumerate(nodes)}
+    by_name = {n.name: n for n in nodes}
     end = len(nodes)
-    # a storage is (node, element): element None for a one-tensor value, i for the i-th
-    # output of a multi-output op
-    root: dict[torch.fx.Node, tuple] = {}
-    size: dict[tuple, int] = {}
-    made: dict[tuple, int] = {}
-    for n in nodes:
-        src = n.args[0] if n.args and isinstance(n.args[0], torch.fx.Node) else None
-        val = n.meta.get("val")
-        if n.op == "call_function" and n.target is operator.getitem and src is not None:
-            root[n] = root[src] if root.get(src) is not None else (src, n.args[1])
-        elif n.op == "call_function" and src is not None and _is_view(n):
-            root[n] = root[src]
-        elif isinstance(val, (tuple, list)):
-            root[n] = None  # its elements are the storages
-            for i, v in enumerate(val):
-                size[(n, i)], made[(n, i)] = _tensor_bytes(v), index[n]
-        else:
-            root[n] = (n, None)
-            size[root[n]], made[root[n]] = _tensor_bytes(val), index[n]
-    last: dict[tuple, int] = {key: made[key] for key in size}
-    for n in nodes:
+    records = annotate_storage(gm)
+
+    def last_use(n: torch.fx.Node) -> int:
         held = n.op == "placeholder" and (not is_backward or n.name.startswith("primals"))
-        use = end if held or any(u.op == "output" for u in n.users) else max(
-            (index[u] for u in n.users), default=index[n])
-        keys = [root[n]] if root[n] is not None else [k for k in size if k[0] is n]
-        for key in keys:  # a tuple holds every element until its last projection
-            if key in last:
-                last[key] = max(last[key], use)
+        if held or any(u.op == "output" for u in n.users):
+            return end
+        return max((index[u] for u in n.users), default=index[n])
+
+    # storages by owner: made when the op that computes them runs, live through the
+    # last use of any alias; a multi-output op owns the outputs no projection takes
+    made: dict[torch.fx.Node, int] = {}
+    size: dict[torch.fx.Node, int] = {}
+    for n in nodes:
+        rec = records[n]
+        if rec.alias:
+            continue
+        if n.target is operator.getitem:
+            made[n], size[n] = index[n.args[0]], rec.bytes
+        elif isinstance(n.meta.get("val"), (tuple, list)):
+            taken = {g.args[1]: records[g].bytes for g in n.users if g.target is operator.getitem}
+            made[n], size[n] = index[n], max(0, _tensor_storage_bytes(n.meta["val"]) - sum(taken.values()))
+        else:
+            made[n], size[n] = index[n], rec.bytes
+    last = dict(made)
+    for n in nodes:
+        owner = by_name[records[n].base]
+        if owner in last:
+            last[owner] = max(last[owner], last_use(n))
+        if n in size and n.target is operator.getitem:  # the tuple holds it until its last projection
+            last[n] = max(last[n], last_use(n.args[0]))
     delta = [0] * (end + 2)
-    for key, b in size.items():
-        delta[made[key] + 1] += b  # live from the step after it is made ...
-        delta[last[key] + 1] -= b  # ... through its last use
+    for owner, b in size.items():
+        delta[made[owner] + 1] += b  # live from the step after it is made ...
+        delta[last[owner] + 1] -= b  # ... through its last use
     ops, live_before, alloc, live = [], [], [], 0
     for i, n in enumerate(nodes):
         live += delta[i]
@@ -147,8 +140,9 @@ def memory_profile(gm: torch.fx.GraphModule, *, is_backward: bool) -> tuple[list
             continue
         ops.append(n)
         live_before.append(live)
-        own = root[n] is None or root[n] == (n, None)
-        alloc.append(_tensor_bytes(n.meta.get("val")) if own else 0)
+        multi = isinstance(n.meta.get("val"), (tuple, list)) and not records[n].alias
+        alloc.append(_tensor_storage_bytes(n.meta["val"]) if multi else
+                     0 if n.target is operator.getitem else records[n].bytes)
     return ops, live_before, alloc
 
 
@@ -160,8 +154,8 @@ def _segments(gm: torch.fx.GraphModule, *, is_backward: bool = False,
     run is also cut wherever inductor could otherwise go above the graph's eager peak
     plus ``headroom``: inductor fuses and reorders inside a run, so a run is taken as
     holding everything it allocates until it ends, on top of what is live when it starts.
-    Runs of fewer than ``_MIN_SEGMENT_OPS`` ops run eagerly. A ``getitem`` or a view goes
-    with the op before it.
+    Runs of fewer than ``_MIN_SEGMENT_OPS`` ops run eagerly. A ``getitem`` goes with the op
+    it projects; a view joins the segment being built (it allocates nothing).
 
     Returns
     -------
