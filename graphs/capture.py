@@ -391,7 +391,8 @@ def capture(
         Spec for roofline times when inputs are fake/meta (default ``"cpu"`` for CPU
         tensors, ``"h100-pcie5"`` otherwise).
     measure_time : bool, optional
-        Time every op on the real device (median of ``repeats`` after a warm-up).
+        Time every op on the real device (fastest of ``repeats`` after a warm-up run of
+        the graph).
         Default: when the inputs and parameters are real tensors.
     repeats : int
         Timed runs per op when measuring.
