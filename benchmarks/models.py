@@ -1,14 +1,21 @@
 """Side by side on real models: remat against PyTorch's own ways of saving memory.
 
 For a GPT-style model (8 layers, d=256, seq 256, batch 8), a ResNet-style CNN and a
-U-Net-style model, at budgets of 70 %, 50 % and 30 % of the store-all peak, every variant
-is run in a fresh process and measured:
+U-Net-style model, at budgets of 100 %, 70 %, 50 % and 30 % of the store-all peak, every
+variant is run in a fresh process and measured:
 
-* step time: process CPU time of forward+backward with one thread, median of 5 steps
-  after 2 warm-ups, relative to the plain model measured the same way, with glibc's
-  default allocator settings (freed memory is reused, as a device's caching allocator
-  does). The same process reports the live-tensor tracker's peak
-  (``graphs.memory.MemoryTracker``) for every variant whose tensors it sees.
+* step time: process CPU time of forward+backward with one thread, with glibc's default
+  allocator settings (freed memory is reused, as a device's caching allocator does).
+  The variant's process also builds a fresh copy of the plain model and steps the two in
+  turn, 7 pairs after 2 warm-ups each: the ratio is the variant's median over the plain
+  model's median, both measured under the same load of the shared machine (the ``eager``
+  row is two copies of the plain model, so its ratio shows the noise). The same process
+  reports the live-tensor tracker's peak (``graphs.memory.MemoryTracker``) for every
+  variant whose tensors it sees.
+* predicted (remat): the plan's peak, and its step-time ratio: the plain model's measured
+  step plus the recomputation the plan predicts from capture's op timings,
+  ``Report.predicted_step_ratio``. For ``remat_graph_inductor`` this is the eager
+  plan's ratio; what inductor's fusion saves is not predicted.
 * peak: measured in a second process, with glibc's mmap threshold fixed at 64 KiB so
   that freed tensors leave resident memory (which makes every allocation a page-fault
   cost, hence not the process that times): bytes of parameters, buffers and inputs
@@ -60,6 +67,8 @@ VARIANTS = ["eager", "ckpt_blocks", "ckpt_blocks_compile", "ckpt_sequential", "c
             "remat_graph", "remat_graph_inductor", "remat_module"]
 COMPILED = {"ckpt_blocks_compile", "compile_budget", "remat_graph_inductor"}
 PER_BUDGET = {"compile_budget", "remat_graph", "remat_graph_inductor", "remat_module"}
+#: timed steps of the variant, each next to one of the plain model
+PAIRS = 7
 #: compiled variants whose tensors the live-tensor tracker does not see
 TRACKER_BLIND = {"ckpt_blocks_compile", "compile_budget"}
 
@@ -159,7 +168,8 @@ def run_one(model_name: str, variant: str, fraction: float | None, store_all: in
             return {**out, "status": "infeasible", "smallest_feasible": exc.smallest_feasible_bytes}
         rep = step_model.report
         out.update(predicted_peak=rep.predicted_peak_bytes, predicted_overhead=rep.predicted_overhead,
-                   method=rep.method, budget=rep.budget_bytes, notes=list(rep.notes))
+                   predicted_extra_s=rep.predicted_extra_seconds, method=rep.method, budget=rep.budget_bytes,
+                   notes=list(rep.notes))
 
     from graphs.capture import default_loss
 
@@ -185,12 +195,29 @@ def run_one(model_name: str, variant: str, fraction: float | None, store_all: in
         out["peak"] = baseline + max(0, hwm - rss0)
         out["status"] = "ok"
         return out
-    times = []
-    for _ in range(5):
-        c0 = time.process_time()
-        step()
-        times.append(time.process_time() - c0)
+    # side by side: a fresh copy of the plain model, stepped in turn with the variant, so
+    # that both medians see the same state of the (shared) machine
+    ref_model, ref_inputs = eval(f"zoo.{MODELS[model_name]}")
+
+    def ref_step():
+        default_loss(ref_model(*ref_inputs)).backward()
+        for p in ref_model.parameters():
+            p.grad = None
+
+    for _ in range(2):
+        ref_step()
+    times, ref_times = [], []
+    for _ in range(PAIRS):
+        for fn, acc in ((ref_step, ref_times), (step, times)):
+            c0 = time.process_time()
+            fn()
+            acc.append(time.process_time() - c0)
+    del ref_model
     out["step_cpu_s"] = statistics.median(times)
+    out["eager_step_cpu_s"] = statistics.median(ref_times)
+    out["step_ratio"] = out["step_cpu_s"] / out["eager_step_cpu_s"]
+    if out.get("predicted_extra_s") is not None:
+        out["predicted_ratio"] = 1 + out["predicted_extra_s"] / out["eager_step_cpu_s"]
     if variant not in TRACKER_BLIND:
         with MemoryTracker(model, inputs) as tracker:
             default_loss(step_model(*inputs)).backward()
@@ -247,9 +274,7 @@ def _child(model_name, variant, fraction, store_all, timeout) -> dict:
 def _fmt(rows: list[dict], store: dict) -> str:
     lines = ["| model | budget | variant | peak MiB | fits | step time vs eager | predicted | planning s |",
              "|---|---|---|---|---|---|---|---|"]
-    eager = {r["model"]: r for r in rows if r["variant"] == "eager" and r.get("status") == "ok"}
     for r in rows:
-        base = eager.get(r["model"])
         frac = r.get("fraction")
         budget = None if frac is None else frac * store[r["model"]]
         if r.get("status") != "ok":
@@ -260,14 +285,13 @@ def _fmt(rows: list[dict], store: dict) -> str:
             continue
         measured = r.get("tracker_peak", r["peak"])
         fits = "-" if budget is None else ("yes" if measured <= budget else "no")
-        rel = r["step_cpu_s"] / base["step_cpu_s"] if base else math.nan
         pred = ""
         if "predicted_peak" in r:
-            pred = f"{r['predicted_peak'] / 2**20:.1f} MiB, {1 + r['predicted_overhead']:.2f}x"
+            pred = f"{r['predicted_peak'] / 2**20:.1f} MiB, {r.get('predicted_ratio', math.nan):.2f}x"
         lines.append(
             f"| {r['model']} | {'-' if frac is None else f'{frac:.0%}'} | {r['variant']} | {r['peak'] / 2**20:.1f}"
             + (f" (tracker {r['tracker_peak'] / 2**20:.1f})" if "tracker_peak" in r else "")
-            + f" | {fits} | {rel:.2f}x | {pred} | {r['planning_s']:.1f} |"
+            + f" | {fits} | {r['step_ratio']:.2f}x | {pred} | {r['planning_s']:.1f} |"
         )
     return "\n".join(lines)
 
@@ -277,7 +301,7 @@ def main(argv=None) -> int:
     ap.add_argument("--one", nargs=5, metavar=("MODEL", "VARIANT", "FRACTION", "STORE_ALL", "PART"),
                     help=argparse.SUPPRESS)
     ap.add_argument("--models", default=",".join(MODELS))
-    ap.add_argument("--fractions", default="0.7,0.5,0.3")
+    ap.add_argument("--fractions", default="1.0,0.7,0.5,0.3")
     ap.add_argument("--variants", default=",".join(VARIANTS))
     ap.add_argument("--quick", action="store_true", help="skip the torch.compile variants")
     ap.add_argument("--timeout", type=float, default=900, help="seconds per variant")

@@ -209,6 +209,24 @@ def test_report_reads_well():
     assert d["fits"] is True and d["measured_peak_bytes"] <= d["budget_bytes"]
 
 
+def test_verify_with_the_original_predicts_the_step_ratio_from_its_measured_step():
+    model, inputs = ZOO["mlp"]()
+    store_all, low = _PEAKS.get("mlp") or _peaks("mlp")
+    budget = ((store_all + low) // 2) / GiB
+    fast = solver.optimize(model, budget, inputs, measure_time=True)  # op times of this machine
+    rep = fast.report
+    assert rep.predicted_extra_seconds == pytest.approx(rep.schedule.extra_cost) and rep.predicted_extra_seconds > 0
+    assert rep.predicted_step_ratio is None  # the original has not been timed yet
+    solver.verify(fast, inputs, original=model, repeats=1)
+    assert rep.original_step_seconds > 0
+    assert rep.predicted_step_ratio == pytest.approx(1 + rep.predicted_extra_seconds / rep.original_step_seconds)
+    assert f"predicted {rep.predicted_step_ratio:.2f}x" in str(rep)
+    # roofline op times are not seconds of this machine: no step-time prediction from them
+    rough = solver.optimize(model, budget, inputs, measure_time=False)
+    solver.verify(rough, inputs, original=model, repeats=1)
+    assert rough.report.predicted_extra_seconds is None and rough.report.predicted_step_ratio is None
+
+
 @pytest.mark.parametrize("method", ["eviction", "order_search"])
 def test_views_and_gradients_move_where_the_rewrite_runs_them(method):
     from graphs import BACKWARD_START
