@@ -163,3 +163,17 @@ def test_joint_reruns_through_aot_runtime():
     loss.backward()
     ref = model(*inputs).sum()
     assert torch.allclose(loss, ref)
+
+
+def test_upsampling_is_captured_as_the_native_ops_and_torch_is_left_as_it_was():
+    from torch._C import DispatchKey
+
+    op = torch.ops.aten.upsample_nearest2d.default
+    before = dict(op.py_kernels)
+    assert DispatchKey.Autograd in before  # torch's own decomposition for compilers
+    model, inputs = models.unet(batch=2, width=4, size=16, depth=2)
+    cg = capture(model, inputs, measure_time=False)
+    ops = {cg[v]["op"] for v in cg.ops}
+    assert "aten.upsample_nearest2d.default" in ops and "aten.upsample_nearest2d_backward.default" in ops
+    assert not any("index" in o for o in ops)  # not the gather/scatter decomposition
+    assert op.py_kernels == before
