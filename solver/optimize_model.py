@@ -606,6 +606,7 @@ class _DataParallel:
 
 def _plan_graph(cg, budget, act_budget, store_all, capture_s, t1, method, time_limit, state, *, compiler="eager"):
     replay_random_ops(cg)  # the rewrite replays the generator state of a random op it runs again
+    store_all = simulate(cg, cg.order).peak_bytes  # with the generator states it keeps
     check_budget(cg, budget)  # raises InfeasibleBudget naming the smallest feasible peak
     from solver.methods.minpeak import smallest_feasible_peak
 
@@ -614,9 +615,9 @@ def _plan_graph(cg, budget, act_budget, store_all, capture_s, t1, method, time_l
         schedule = solve(cg, budget, method="store_all")
     else:
         schedule = solve(cg, budget, method=method, time_limit=time_limit)
-    schedule = _one_run_per_op(cg, schedule, budget)
+    eager = schedule.sequence == list(cg.order)  # the original forward runs it as it is
+    schedule = _one_run_per_op(cg, schedule, budget)  # (moves views: not a reason to rewrite)
     solve_s = time.perf_counter() - t1
-    eager = schedule.sequence == list(cg.order)
     if eager:
         step = _EagerStep()
     else:

@@ -209,6 +209,15 @@ def test_report_reads_well():
     assert d["fits"] is True and d["measured_peak_bytes"] <= d["budget_bytes"]
 
 
+def test_a_budget_of_the_reported_store_all_peak_needs_no_recomputation():
+    model, inputs = ZOO["gpt"]()  # with dropout: the generator states graph mode keeps count
+    store_all = solver.optimize(model, 1e3, inputs, measure_time=False).report.store_all_peak_bytes
+    fast = solver.optimize(model, store_all / GiB, inputs, measure_time=False)
+    assert fast.report.store_all_peak_bytes == store_all and fast.report.method == "store_all"
+    assert fast.report.predicted_overhead == pytest.approx(0, abs=1e-9)
+    assert any("no recomputation" in n for n in fast.report.notes)
+
+
 def test_verify_with_the_original_predicts_the_step_ratio_from_its_measured_step():
     model, inputs = ZOO["mlp"]()
     store_all, low = _PEAKS.get("mlp") or _peaks("mlp")
