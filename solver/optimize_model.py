@@ -410,7 +410,8 @@ def optimize(
         t1 = time.perf_counter()
         if mode == "graph":
             out = _plan_graph(cg, budget, act_budget, store_all, capture_s, t1, method, time_limit, state,
-                              compiler=compiler)
+                              compiler=compiler, original_fits=lambda b: _original_fits(
+                                  m, args, kwargs, b - cg.meta.get("extra_fixed_bytes", 0)))
             if isinstance(out, ScheduledStep) and self_check and not _reproduces(m, out, args, kwargs):
                 # a rewrite that does not give the model's gradients is never handed out
                 first = state["report"].method
@@ -604,7 +605,8 @@ class _DataParallel:
         return out
 
 
-def _plan_graph(cg, budget, act_budget, store_all, capture_s, t1, method, time_limit, state, *, compiler="eager"):
+def _plan_graph(cg, budget, act_budget, store_all, capture_s, t1, method, time_limit, state, *, compiler="eager",
+                original_fits: Callable[[int], bool] | None = None):
     replay_random_ops(cg)  # the rewrite replays the generator state of a random op it runs again
     store_all = simulate(cg, cg.order).peak_bytes  # with the generator states it keeps
     check_budget(cg, budget)  # raises InfeasibleBudget naming the smallest feasible peak
@@ -616,6 +618,8 @@ def _plan_graph(cg, budget, act_budget, store_all, capture_s, t1, method, time_l
     else:
         schedule = solve(cg, budget, method=method, time_limit=time_limit)
     eager = schedule.sequence == list(cg.order)  # the original forward runs it as it is
+    over = eager and original_fits is not None and not original_fits(budget)
+    eager = eager and not over  # else the captured store-all schedule, whose memory is the plan's
     schedule = _one_run_per_op(cg, schedule, budget)  # (moves views: not a reason to rewrite)
     solve_s = time.perf_counter() - t1
     if eager:
@@ -634,6 +638,10 @@ def _plan_graph(cg, budget, act_budget, store_all, capture_s, t1, method, time_l
     )
     if eager:
         report.notes.append("the store-all schedule fits: the step runs the original forward, no recomputation")
+    elif over:
+        report.notes.append("the store-all schedule fits, but the original forward measured over the budget (it "
+                            "allocates temporaries the captured graph does not have): the step runs the captured "
+                            "graph, no recomputation")
     elif compiler != "eager":
         n = step.inductor_graphs
         report.notes.append(f"{compiler} compiled {n.get('forward', 0)} segments of the forward graph and "
@@ -656,6 +664,31 @@ def _headroom(cg: ComputeGraph, schedule: Schedule, budget: int) -> tuple[int, i
     fw = int(curve[:k].max()) if k else 0
     bw = int(curve[k:].max()) if k < len(seq) else int(curve.max())
     return max(0, budget - max(fw, 0)), max(0, budget - bw)
+
+
+def _original_fits(model: nn.Module, args: tuple, kwargs: dict, budget: int) -> bool:
+    """Whether one eager training step of the original model, measured by the live-tensor
+    tracker, peaks within ``budget``. Gradients, buffers and the RNG are left as found."""
+    flat = [t for t in (list(args) + list(kwargs.values())) if isinstance(t, torch.Tensor)]
+    if any(t.device.type == "meta" or type(t).__name__ == "FakeTensor" for t in flat):
+        return True  # nothing real to run
+    params = list(model.parameters())
+    saved = [p.grad for p in params]
+    buffers = [(b, b.detach().clone()) for b in model.buffers()]
+    try:
+        for p in params:
+            p.grad = None
+        with torch.random.fork_rng(), MemoryTracker(model, _capture_inputs(args, kwargs)) as tracker:
+            out = type(model).forward(model, *args, **kwargs)  # held during backward, as verify does
+            default_loss(out).backward()
+            del out
+        return tracker.peak_bytes <= budget
+    finally:
+        for p, g in zip(params, saved):
+            p.grad = g
+        with torch.no_grad():
+            for b, v in buffers:
+                b.copy_(v)
 
 
 def _reproduces(model: nn.Module, step: ScheduledStep, args: tuple, kwargs: dict) -> bool:

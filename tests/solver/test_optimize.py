@@ -218,6 +218,19 @@ def test_a_budget_of_the_reported_store_all_peak_needs_no_recomputation():
     assert any("no recomputation" in n for n in fast.report.notes)
 
 
+def test_the_original_forward_runs_only_when_its_measured_step_fits():
+    from solver.optimize_model import _original_fits
+
+    model, inputs = models.resnet(batch=2, width=4, size=16, blocks=1)  # BatchNorm: buffers move
+    before = {k: v.clone() for k, v in model.state_dict().items()}
+    cg = capture(model, inputs, backward="outputs", measure_time=False)
+    store_all = simulate(cg, cg.order).peak_bytes
+    assert _original_fits(model, inputs, {}, 2 * store_all)
+    assert not _original_fits(model, inputs, {}, store_all // 2)
+    assert all(p.grad is None for p in model.parameters())
+    assert all(torch.equal(before[k], v) for k, v in model.state_dict().items())
+
+
 def test_verify_with_the_original_predicts_the_step_ratio_from_its_measured_step():
     model, inputs = ZOO["mlp"]()
     store_all, low = _PEAKS.get("mlp") or _peaks("mlp")
