@@ -76,7 +76,8 @@ def solve_auto(graph: ComputeGraph, budget: int, *, time_limit: float | None = N
         of the time (and only up to :data:`BOUND_MAX_OPS` ops) for the lower bound. With
         one, fast heuristics run first; exact methods and the bound get what is left.
     **options
-        ``exact=False`` skips the exact methods; ``bound=False`` skips the lower bound.
+        ``exact=False`` skips the exact methods; ``bound=False`` skips the lower bound;
+        ``drop=False`` keeps the winner's recomputations as they are.
 
     Returns
     -------
@@ -112,6 +113,7 @@ def solve_auto(graph: ComputeGraph, budget: int, *, time_limit: float | None = N
     deadline = t0 + limit
     use_exact = options.pop("exact", not unlimited)
     use_bound = options.pop("bound", True)
+    use_drop = options.pop("drop", True)
     training = bool(graph.backward_nodes())
     tried: dict[str, object] = {}
     reorders: dict[str, bool] = {}
@@ -198,7 +200,7 @@ def solve_auto(graph: ComputeGraph, budget: int, *, time_limit: float | None = N
             f"auto found no schedule of {graph.name or 'the graph'} within {budget} B "
             f"(tried {', '.join(tried) or 'nothing'}); give more time or a larger budget"
         )
-    if extra() and not sched.offloads:
+    if use_drop and extra() and not sched.offloads:
         # 6. drop the recomputations that the budget does not need (the heuristics plan
         #    with a conservative memory model and evict more than they must)
         cheaper = drop_recomputations(graph, sched.sequence, budget,
