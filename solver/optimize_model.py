@@ -17,6 +17,7 @@ with FSDP2's ``fully_shard``; :mod:`graphs.distributed`).
 from __future__ import annotations
 
 import copy
+import contextlib
 import logging
 import math
 import statistics
@@ -669,23 +670,24 @@ def _headroom(cg: ComputeGraph, schedule: Schedule, budget: int) -> tuple[int, i
     return max(0, budget - max(fw, 0)), max(0, budget - bw)
 
 
-def _original_fits(model: nn.Module, args: tuple, kwargs: dict, budget: int) -> bool:
-    """Whether one eager training step of the original model, measured by the live-tensor
-    tracker, peaks within ``budget``. Gradients, buffers and the RNG are left as found."""
+def _not_real(args: tuple, kwargs: dict) -> bool:
+    """Whether the example inputs are meta or fake tensors (nothing can run on them)."""
     flat = [t for t in (list(args) + list(kwargs.values())) if isinstance(t, torch.Tensor)]
-    if any(t.device.type == "meta" or type(t).__name__ == "FakeTensor" for t in flat):
-        return True  # nothing real to run
+    return any(t.device.type == "meta" or type(t).__name__ == "FakeTensor" for t in flat)
+
+
+@contextlib.contextmanager
+def _step_undone(model: nn.Module):
+    """Run a training step whose effects are undone afterwards: gradients start as None and
+    are put back as found, buffers (BatchNorm statistics) are restored, the RNG forked."""
     params = list(model.parameters())
     saved = [p.grad for p in params]
     buffers = [(b, b.detach().clone()) for b in model.buffers()]
     try:
         for p in params:
             p.grad = None
-        with torch.random.fork_rng(), MemoryTracker(model, _capture_inputs(args, kwargs)) as tracker:
-            out = type(model).forward(model, *args, **kwargs)  # held during backward, as verify does
-            default_loss(out).backward()
-            del out
-        return tracker.peak_bytes <= budget
+        with torch.random.fork_rng():
+            yield
     finally:
         for p, g in zip(params, saved):
             p.grad = g
@@ -694,34 +696,34 @@ def _original_fits(model: nn.Module, args: tuple, kwargs: dict, budget: int) -> 
                 b.copy_(v)
 
 
+def _original_fits(model: nn.Module, args: tuple, kwargs: dict, budget: int) -> bool:
+    """Whether one eager training step of the original model, measured by the live-tensor
+    tracker, peaks within ``budget``. Gradients, buffers and the RNG are left as found."""
+    if _not_real(args, kwargs):
+        return True  # nothing real to run
+    with _step_undone(model), MemoryTracker(model, _capture_inputs(args, kwargs)) as tracker:
+        out = type(model).forward(model, *args, **kwargs)  # held during backward, as verify does
+        default_loss(out).backward()
+        del out
+    return tracker.peak_bytes <= budget
+
+
 def _reproduces(model: nn.Module, step: ScheduledStep, args: tuple, kwargs: dict) -> bool:
     """One step of the rewrite against eager on the example batch: same loss and
     gradients (to float tolerance). Gradients, buffers and the RNG are left as found."""
-    flat = [t for t in (list(args) + list(kwargs.values())) if isinstance(t, torch.Tensor)]
-    if any(t.device.type == "meta" or type(t).__name__ == "FakeTensor" for t in flat):
+    if _not_real(args, kwargs):
         return True  # nothing real to run
-    params = [p for p in model.parameters()]
-    saved = [p.grad for p in params]
-    buffers = [(b, b.detach().clone()) for b in model.buffers()]
-    try:
-        results = []
-        for run in (lambda: step(model, args, kwargs), lambda: type(model).forward(model, *args, **kwargs)):
-            for p in params:
-                p.grad = None
-            with torch.random.fork_rng():
-                torch.manual_seed(1234)
-                loss = default_loss(run())
-                loss.backward()
+    params = list(model.parameters())
+    results = []
+    for run in (lambda: step(model, args, kwargs), lambda: type(model).forward(model, *args, **kwargs)):
+        with _step_undone(model):
+            torch.manual_seed(1234)
+            loss = default_loss(run())
+            loss.backward()
             results.append((loss.detach(), [None if p.grad is None else p.grad.detach().clone() for p in params]))
-            with torch.no_grad():
-                for b, v in buffers:
-                    b.copy_(v)
-        (la, ga), (lb, gb) = results
-        compiled = getattr(step, "compiler", "eager") != "eager"
-        return _close(la, lb, compiled) and all(_close(x, y, compiled) for x, y in zip(ga, gb))
-    finally:
-        for p, g in zip(params, saved):
-            p.grad = g
+    (la, ga), (lb, gb) = results
+    compiled = getattr(step, "compiler", "eager") != "eager"
+    return _close(la, lb, compiled) and all(_close(x, y, compiled) for x, y in zip(ga, gb))
 
 
 def _close(x: torch.Tensor | None, y: torch.Tensor | None, compiled: bool) -> bool:
