@@ -36,7 +36,7 @@ from graphs.memory import MemoryTracker
 from graphs.module_mode import apply_module_plan, layer_blocks
 from graphs.rewrite import replay_random_ops
 from graphs.units import GiB, format_bytes
-from solver.errors import SolverError
+from solver.errors import InfeasibleBudget, SolverError
 from solver.module_plan import ModulePlan, plan_modules
 from solver.registry import check_budget, solve
 from solver.schedule import Schedule
@@ -59,6 +59,11 @@ class Report:
     ``buckets``), ``untracked_bytes`` is what the prediction charges that a memory
     tracker cannot see during :func:`verify` (optimizer state not yet created, the
     gradient seed) and is added to the measured peak.
+
+    ``checked_peak_bytes`` is the peak of one step of the plan that planning measured on
+    the example batch (single process, real inputs). When it was over the budget, the
+    plan was made again for the budget less what the step measured beyond its
+    prediction (a note says so), and ``predicted_peak_bytes`` is that plan's.
     """
 
     mode: str
@@ -76,6 +81,7 @@ class Report:
     activation_budget_bytes: int | None = None
     recomputed: int = 0
     measured_peak_bytes: int | None = None
+    checked_peak_bytes: int | None = None
     measured_step_seconds: float | None = None
     original_step_seconds: float | None = None
     original_peak_bytes: int | None = None
@@ -160,6 +166,15 @@ class Report:
 #: bytes charged on top of the graph for the scalars autograd creates outside it (the
 #: gradient seed of ``loss.backward()``)
 _SEED_RESERVE = 64
+
+
+def _untracked_bytes(cg: ComputeGraph | None) -> int:
+    """Bytes the prediction charges that a live-tensor tracker cannot see in a single
+    process step: the optimizer state, not yet created (the tracker sees the loss and
+    its gradient seed)."""
+    if cg is None:
+        return 0
+    return cg.meta.get("untracked_bytes", cg.meta.get("extra_fixed_bytes", 0))
 
 
 def _backward_from_loss(cg: ComputeGraph) -> None:
@@ -258,7 +273,11 @@ def optimize(
         buffers, inputs, gradients, saved activations and temporaries, plus optimizer
         state when ``optimizer`` is given. With ``activation_budget=True`` it counts
         only what the step adds beyond parameters, buffers, inputs, optimizer state and
-        gradients (activations and temporaries), for research.
+        gradients (activations and temporaries), for research. On real inputs in one
+        process, planning runs one step of the plan under the live-tensor tracker;
+        when it measures over the budget (an eager forward's temporaries, buffers a
+        compiled segment allocates inside it), the plan is made again with what the
+        step measured beyond its prediction held back (``report.checked_peak_bytes``).
     example_inputs : tuple or dict, optional
         Positional or keyword arguments of ``model``. Given: plan now (errors such as
         an infeasible budget are raised here, and the model is left untouched).
@@ -322,7 +341,8 @@ def optimize(
         Graph mode: how the scheduled forward and backward graphs run. ``"eager"``:
         plain fx code. ``"inductor"``: compiled by torch inductor in segments, cut so
         that inductor's fusion and reordering cannot take the step over the budget (a
-        segment is taken to hold all it allocates until it ends); random ops, and the
+        segment is taken to hold all it allocates until it ends, and the measured step
+        of the plan checks what inductor allocates beyond that); random ops, and the
         ops where a segment would not fit, run as plain fx code. Compiling takes
         seconds to minutes on CPU and needs a C++ compiler there. Single process only.
 
@@ -396,6 +416,7 @@ def optimize(
                                    "plans at layer level instead)") from exc
             raise
         cg.meta["extra_fixed_bytes"] = opt_bytes + _SEED_RESERVE
+        cg.meta["untracked_bytes"] = opt_bytes
         if dp is not None:
             dp.charge(cg, opt_bytes, state)
         if mode == "module":  # eager autograd; AOTAutograd's runtime materializes zero tangents
@@ -410,31 +431,24 @@ def optimize(
             budget = budget + cg.fixed_bytes + grads
         t1 = time.perf_counter()
         if mode == "graph":
-            out = _plan_graph(cg, budget, act_budget, store_all, capture_s, t1, method, time_limit, state,
-                              compiler=compiler, original_fits=lambda b: _original_fits(
-                                  m, args, kwargs, b - cg.meta.get("extra_fixed_bytes", 0)))
-            if isinstance(out, ScheduledStep) and self_check and not _reproduces(m, out, args, kwargs):
-                # a rewrite that does not give the model's gradients is never handed out
-                first = state["report"].method
-                out = None
-                if method == "auto":
-                    for fallback in ("order_search", "chain_dp", "checkpoint_all"):
-                        try:
-                            cand = _plan_graph(cg, budget, act_budget, store_all, capture_s, t1, fallback,
-                                               time_limit, state, compiler=compiler)
-                        except RematError:
-                            continue
-                        if not isinstance(cand, ScheduledStep) or _reproduces(m, cand, args, kwargs):
-                            out = cand
-                            state["report"].notes.append(
-                                f"the {first} schedule failed the gradient self-check; using {fallback}")
-                            break
-                if out is None:
-                    raise SolverError(f"the graph-mode rewrite ({first}) does not reproduce the model's "
-                                      "gradients on the example batch; use mode='module' (please report this)")
+            def make(margin: int):
+                return _plan_graph_checked(m, args, kwargs, cg, budget, act_budget, store_all, capture_s, t1,
+                                           method, time_limit, state, compiler=compiler, self_check=self_check,
+                                           margin=margin)
+
+            def run(out):
+                return lambda: out(m, args, kwargs)
         else:
-            out = _plan_module(m, cg, budget, act_budget, store_all, capture_s, t1, blocks, time_limit, state,
-                               dp=dp, opt_bytes=opt_bytes)
+            def make(margin: int):
+                return _plan_module(m, cg, budget, act_budget, store_all, capture_s, t1, blocks, time_limit, state,
+                                    dp=dp, opt_bytes=opt_bytes, margin=margin)
+
+            def run(out):
+                return lambda: apply_module_plan(m, out.actions).forward(*args, **kwargs)
+        if dp is not None:  # a step runs collectives: verify() measures it on every rank
+            out = make(0)
+        else:
+            out = _fit_measured(m, make, run, args, kwargs, budget, state)
         if dp is not None:
             dp.annotate(state["report"], state)
         if state.get("wrapper") is not None:
@@ -606,31 +620,58 @@ class _DataParallel:
         return out
 
 
+def _plan_graph_checked(m, args, kwargs, cg, budget, act_budget, store_all, capture_s, t1, method, time_limit,
+                        state, *, compiler, self_check, margin):
+    """Graph mode's plan, its rewrite checked against the original's gradients."""
+    out = _plan_graph(cg, budget, act_budget, store_all, capture_s, t1, method, time_limit, state,
+                      compiler=compiler, margin=margin, original_peak=lambda: _measured_peak(
+                          m, lambda: type(m).forward(m, *args, **kwargs), args, kwargs))
+    if not isinstance(out, ScheduledStep) or not self_check or _reproduces(m, out, args, kwargs):
+        return out
+    # a rewrite that does not give the model's gradients is never handed out
+    first = state["report"].method
+    if method == "auto":
+        for fallback in ("order_search", "chain_dp", "checkpoint_all"):
+            try:
+                cand = _plan_graph(cg, budget, act_budget, store_all, capture_s, t1, fallback, time_limit, state,
+                                   compiler=compiler, margin=margin)
+            except RematError:
+                continue
+            if not isinstance(cand, ScheduledStep) or _reproduces(m, cand, args, kwargs):
+                state["report"].notes.append(f"the {first} schedule failed the gradient self-check; using {fallback}")
+                return cand
+    raise SolverError(f"the graph-mode rewrite ({first}) does not reproduce the model's gradients on the example "
+                      "batch; use mode='module' (please report this)")
+
+
 def _plan_graph(cg, budget, act_budget, store_all, capture_s, t1, method, time_limit, state, *, compiler="eager",
-                original_fits: Callable[[int], bool] | None = None):
+                margin: int = 0, original_peak: Callable[[], int | None] | None = None):
+    """Plan for ``budget - margin`` (``margin``: what a step measured beyond its plan);
+    ``original_peak`` measures one eager step of the original model."""
     replay_random_ops(cg)  # the rewrite replays the generator state of a random op it runs again
     store_all = simulate(cg, cg.order).peak_bytes  # with the generator states it keeps
-    check_budget(cg, budget)  # raises InfeasibleBudget naming the smallest feasible peak
+    target = budget - margin
+    check_budget(cg, target)  # raises InfeasibleBudget naming the smallest feasible peak
     from solver.methods.minpeak import smallest_feasible_peak
 
     low = smallest_feasible_peak(cg)[0]
-    if budget >= store_all and method == "auto":
-        schedule = solve(cg, budget, method="store_all")
+    if target >= store_all and method == "auto":
+        schedule = solve(cg, target, method="store_all")
     else:
-        # compiled segments need the slack that dropping recomputations uses up: inductor
-        # allocates inside a segment beyond the fx values the segment bound counts
-        options = {"drop": False} if compiler != "eager" and method == "auto" else {}
-        schedule = solve(cg, budget, method=method, time_limit=time_limit, **options)
+        schedule = solve(cg, target, method=method, time_limit=time_limit)
     eager = schedule.sequence == list(cg.order)  # the original forward runs it as it is
-    over = eager and original_fits is not None and not original_fits(budget)
+    checked = original_peak() if eager and original_peak is not None else None
+    if checked is not None:
+        checked += _untracked_bytes(cg)
+    over = checked is not None and checked > budget
     eager = eager and not over  # else the captured store-all schedule, whose memory is the plan's
-    schedule = _one_run_per_op(cg, schedule, budget)  # (moves views: not a reason to rewrite)
+    schedule = _one_run_per_op(cg, schedule, target)  # (moves views: not a reason to rewrite)
     solve_s = time.perf_counter() - t1
     if eager:
         step = _EagerStep()
     else:
         step = ScheduledStep(cg, schedule.sequence, compiler=compiler,
-                             headroom=_headroom(cg, schedule, budget) if compiler != "eager" else 0)
+                             headroom=_headroom(cg, schedule, target) if compiler != "eager" else 0)
     report = Report(
         mode="graph", method=schedule.method, budget_bytes=budget, predicted_peak_bytes=schedule.peak_bytes,
         store_all_peak_bytes=store_all, smallest_feasible_bytes=min(low, store_all),
@@ -640,6 +681,8 @@ def _plan_graph(cg, budget, act_budget, store_all, capture_s, t1, method, time_l
         activation_budget_bytes=act_budget, recomputed=sum(1 for c in schedule.counts().values() if c > 1),
         graph=cg, schedule=schedule,
     )
+    if eager and checked is not None:
+        report.checked_peak_bytes = int(checked)
     if eager:
         report.notes.append("the store-all schedule fits: the step runs the original forward, no recomputation")
     elif over:
@@ -696,16 +739,54 @@ def _step_undone(model: nn.Module):
                 b.copy_(v)
 
 
-def _original_fits(model: nn.Module, args: tuple, kwargs: dict, budget: int) -> bool:
-    """Whether one eager training step of the original model, measured by the live-tensor
-    tracker, peaks within ``budget``. Gradients, buffers and the RNG are left as found."""
+def _measured_peak(model: nn.Module, run: Callable[[], Any], args: tuple, kwargs: dict) -> int | None:
+    """Peak bytes of one training step ``run()`` (forward, default loss, backward) of
+    ``model``, measured by the live-tensor tracker; None for meta or fake inputs.
+    Gradients, buffers and the RNG are left as found."""
     if _not_real(args, kwargs):
-        return True  # nothing real to run
+        return None  # nothing real to run
     with _step_undone(model), MemoryTracker(model, _capture_inputs(args, kwargs)) as tracker:
-        out = type(model).forward(model, *args, **kwargs)  # held during backward, as verify does
+        out = run()  # held during backward, as verify does
         default_loss(out).backward()
         del out
-    return tracker.peak_bytes <= budget
+    return int(tracker.peak_bytes)
+
+
+def _fit_measured(model: nn.Module, make: Callable[[int], Any], run: Callable[[Any], Callable[[], Any]],
+                  args: tuple, kwargs: dict, budget: int, state: dict, *, tries: int = 3) -> Any:
+    """Plan, measure one step of the plan, and plan again with a margin while the
+    measured peak is over ``budget``.
+
+    The simulator counts the captured graph's values. A real step can allocate more: an
+    eager forward's temporaries that capture decomposes away, the buffers a compiled
+    segment allocates inside it. The margin is what the step measured beyond its plan.
+    """
+    out, margin = make(0), 0
+    for attempt in range(tries):
+        report = state["report"]
+        extra = _untracked_bytes(report.graph)
+        peak = report.checked_peak_bytes
+        if peak is None:
+            measured = _measured_peak(model, run(out), args, kwargs)
+            if measured is None:
+                return out
+            peak = report.checked_peak_bytes = measured + extra
+        if peak <= budget:
+            if margin:
+                report.notes.append(f"planned for {format_bytes(budget - margin)}: a step of the plan for the whole "
+                                    f"budget measured {format_bytes(margin)} more than its prediction")
+            return out
+        if attempt == tries - 1:
+            break
+        margin = max(margin + peak - budget, peak - report.predicted_peak_bytes)
+        try:
+            out = make(margin)
+        except InfeasibleBudget as exc:
+            raise InfeasibleBudget(budget, exc.smallest_feasible_bytes + margin,
+                                   lower_bound_bytes=exc.lower_bound_bytes + margin, what="measured peak") from exc
+    raise SolverError(f"a step of the plan measured {format_bytes(peak)} over the budget {format_bytes(budget)} "
+                      f"after {tries} plans with a margin for what the step allocates beyond the captured graph; "
+                      "ask for a larger budget")
 
 
 def _reproduces(model: nn.Module, step: ScheduledStep, args: tuple, kwargs: dict) -> bool:
@@ -769,7 +850,7 @@ class _EagerStep:
 
 
 def _plan_module(model, cg, budget, act_budget, store_all, capture_s, t1, blocks, time_limit, state, *,
-                 dp=None, opt_bytes=0) -> ModulePlan:
+                 dp=None, opt_bytes=0, margin: int = 0) -> ModulePlan:
     names = blocks or layer_blocks(model)
     if dp is not None and dp.sharding == "fsdp":
         # the whole-model fixed bytes are not what a rank holds: plan on the rank's peak
@@ -777,8 +858,8 @@ def _plan_module(model, cg, budget, act_budget, store_all, capture_s, t1, blocks
         sched, cg, predicted = mp.schedule, mp.graph, rp.peak_bytes
         store_all = dp.rank_store_all(cg, names, opt_bytes)
     else:
-        check_budget(cg, budget)
-        mp = plan_modules(cg, budget, blocks=names, time_limit=time_limit)
+        check_budget(cg, budget - margin)
+        mp = plan_modules(cg, budget - margin, blocks=names, time_limit=time_limit)
         sched = mp.schedule
         cg = mp.graph  # random ops inside the blocks are recomputed there (RNG state restored)
         predicted = simulate(cg, sched).peak_bytes
@@ -915,7 +996,7 @@ def _verify_into(module, original, example_inputs, report, *, loss_fn=None, repe
             untracked = report.untracked_bytes or 0
         else:
             tracker = MemoryTracker(module, example_inputs)
-            untracked = report.graph.meta.get("extra_fixed_bytes", 0) if report.graph is not None else 0
+            untracked = _untracked_bytes(report.graph)
         with tracker:
             out = _call(module, example_inputs)  # held during backward, as a training loop does
             loss_fn(out).backward()
@@ -946,8 +1027,7 @@ def _verify_into(module, original, example_inputs, report, *, loss_fn=None, repe
             with torch.no_grad():
                 for b, saved in obuffers:
                     b.copy_(saved)
-            report.original_peak_bytes = int(t2.peak_bytes + (report.graph.meta.get("extra_fixed_bytes", 0)
-                                                              if report.graph is not None else 0))
+            report.original_peak_bytes = int(t2.peak_bytes + _untracked_bytes(report.graph))
     finally:
         for p, g in zip(params, saved_grads):
             p.grad = g

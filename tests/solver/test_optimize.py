@@ -218,15 +218,15 @@ def test_a_budget_of_the_reported_store_all_peak_needs_no_recomputation():
     assert any("no recomputation" in n for n in fast.report.notes)
 
 
-def test_the_original_forward_runs_only_when_its_measured_step_fits():
-    from solver.optimize_model import _original_fits
+def test_a_planning_step_is_measured_and_leaves_the_model_as_found():
+    from solver.optimize_model import _measured_peak
 
     model, inputs = models.resnet(batch=2, width=4, size=16, blocks=1)  # BatchNorm: buffers move
     before = {k: v.clone() for k, v in model.state_dict().items()}
     cg = capture(model, inputs, backward="outputs", measure_time=False)
     store_all = simulate(cg, cg.order).peak_bytes
-    assert _original_fits(model, inputs, {}, 2 * store_all)
-    assert not _original_fits(model, inputs, {}, store_all // 2)
+    peak = _measured_peak(model, lambda: model(*inputs), inputs, {})
+    assert store_all * 0.9 < peak < store_all * 1.1
     assert all(p.grad is None for p in model.parameters())
     assert all(torch.equal(before[k], v) for k, v in model.state_dict().items())
 
@@ -290,3 +290,54 @@ def test_graph_mode_recomputes_dropout_with_the_same_draws():
         for a, b in zip(model.parameters(), ref.parameters()):
             assert torch.equal(a.grad, b.grad)
             a.grad = b.grad = None
+
+
+def _stub_report(predicted: int) -> "solver.Report":
+    return solver.Report(mode="graph", method="stub", budget_bytes=0, predicted_peak_bytes=predicted,
+                         store_all_peak_bytes=predicted, smallest_feasible_bytes=0, predicted_overhead=0.0, gap=None,
+                         solve_seconds=0.0, capture_seconds=0.0, decisions="")
+
+
+def test_a_plan_measured_over_the_budget_is_made_again_with_the_excess_as_margin():
+    from solver.optimize_model import _fit_measured
+
+    model, x = torch.nn.Linear(8, 8), torch.randn(4, 8)
+    temp = 40_000  # bytes a plan's step allocates and its prediction does not count
+
+    def run(n):  # a step whose plan holds n bytes more, plus the unpredicted temporary
+        return lambda: model(x).sum() + torch.zeros((n + temp) // 4).sum()
+
+    state, margins = {}, []
+    base = _fit_measured(model, lambda m: state.update(report=_stub_report(0)) or 0, run, (x,), {}, 2**40, state)
+    base = state["report"].checked_peak_bytes - temp  # the step without the plan's own bytes
+    budget = base + 100_000
+
+    def make(margin):
+        margins.append(margin)
+        n = 100_000 - margin + 10_000  # the plan for the whole budget holds 10 kB too many
+        state["report"] = _stub_report(base + n)  # what the simulator would predict
+        return n
+
+    n = _fit_measured(model, make, run, (x,), {}, budget, state)
+    rep = state["report"]
+    assert margins[0] == 0 and len(margins) == 2 and margins[1] >= temp
+    assert rep.checked_peak_bytes <= budget < base + 100_000 + 10_000 + temp
+    assert any("measured" in note for note in rep.notes)
+    assert n == 110_000 - margins[1]
+
+
+def test_no_plan_with_room_for_what_the_step_allocates_is_an_infeasible_budget():
+    from solver.optimize_model import _fit_measured
+
+    model, x = torch.nn.Linear(8, 8), torch.randn(4, 8)
+    state = {}
+
+    def make(margin):
+        if margin:
+            raise InfeasibleBudget(10**6 - margin, 10**6, lower_bound_bytes=10**6)
+        state["report"] = _stub_report(1)
+        return None
+
+    with pytest.raises(InfeasibleBudget, match="measured peak") as info:
+        _fit_measured(model, make, lambda _: lambda: model(x).sum() + torch.zeros(10_000).sum(), (x,), {}, 1000, state)
+    assert info.value.smallest_feasible_bytes > 10**6
