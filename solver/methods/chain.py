@@ -19,6 +19,11 @@ schedule either
   once its last sweep has read it, and the parts nest. These are the schedules of the
   Checkmate stage space that the persistent rotor family misses on heterogeneous
   chains: a cheap checkpoint that is too costly to hold through a later backward.
+* (hoisted recomputation) in any split, the part below may start its recomputation
+  sweep before the last backward of the part above (the backward of ``s'``) and run
+  that backward between two of its stages. Worth it when that backward's gradient is
+  larger than what it frees: the sweep's transient peak then falls before the gradient
+  is made.
 
 Memory is exact per stage (each stage's peaks come from a local replay of the
 simulator's rules) and is discretised in slots of ``ceil(budget / slots)`` bytes,
@@ -29,15 +34,17 @@ outside the chain's interface), a lower internal limit is tried until the simula
 schedule fits. With one byte per slot (small graphs) the program is exact over its
 family. On training chains of up to five layers it equals exhaustive search of the
 Checkmate stage space (:func:`solver.methods.bruteforce.brute_force_fixed`) at every
-budget (checked in the tests); on longer ones it can still miss schedules that hoist
-the recomputation for a lower stage before the backward of the stage above (worth it
-when that backward's gradient is larger than what it frees).
+budget (checked in the tests). It is not proven exact on longer ones: its family
+leaves out a recomputation hoisted above two or more backward steps at once.
 
-The non-persistent program costs O(S^5 x slots) and runs for chains of at most
-:data:`FULL_PROGRAM_STAGES` stages; longer chains get the persistent program.
+The non-persistent program costs O(S^5 x slots) (four variants of each table: with or
+without the bottom stage's backward, with or without a pending backward above) and
+runs for chains of at most :data:`FULL_PROGRAM_STAGES` stages; longer chains get the
+persistent program, which has neither non-persistent checkpoints nor hoisting.
 
-Complexity: O(S^3 x slots) time and O(S^2 x slots) memory for S stages (numpy over
-the slot axis).
+Complexity: O(S^3 x slots) time and O(S^2 x slots) memory for S stages with the
+persistent program, O(S^5 x slots) time and O(S^3 x slots) memory with the
+non-persistent one (numpy over the slot axis).
 """
 
 from __future__ import annotations
@@ -325,26 +332,35 @@ class _Program:
 
 
 class _FullProgram:
-    """The program with non-persistent checkpoints (see the module docstring).
+    """The program with non-persistent checkpoints and hoisted recomputation (see the
+    module docstring).
 
-    ``P[s, t, f]`` (an array over slot counts): least time to run the backward of stages
-    ``t..s`` while the input ``x_{s-1}`` of stage ``s`` is held by the caller (not
-    counted); ``f = 1``: the boundary ``x_t`` is already resident and counted until the
-    backward of ``t`` reads it. ``N[s, t, k, f, e]``: the same for stages ``t..k``
-    (``s < k <= t``) when ``x_{s-1}`` is counted here and dropped on the way; ``e = 1``:
-    the boundary ``x_{k-1}`` is left resident for the caller.
+    ``P[prime, pend, s, t, f]`` (an array over slot counts): least time to run the
+    backward of stages ``t..s`` while the input ``x_{s-1}`` of stage ``s`` is held by the
+    caller (not counted); ``f = 1``: the boundary ``x_t`` is already resident and counted
+    until the backward of ``t`` reads it. ``N[prime, pend, s, t, k, f, e]``: the same for
+    stages ``t..k`` (``s < k <= t``) when ``x_{s-1}`` is counted here and dropped on the
+    way; ``e = 1``: the boundary ``x_{k-1}`` is left resident for the caller.
+
+    ``prime``: the part stops before the backward of its bottom stage (``s`` for ``P``,
+    ``k`` for ``N``), leaving that stage's kept values and gradient resident; the caller
+    runs that backward inside the part below it. ``pend``: the backward of stage ``t + 1``
+    has not run yet (its kept values, its incoming gradient and ``x_t`` are resident);
+    it runs at the start of any sub-part, so the recomputation sweep of the stages below
+    can run before it (worth it when that backward's gradient is larger than what it
+    frees). All four variants share the caller's memory baseline, so ``P[0, ...] = P[1,
+    ...] + backward`` where the backward fits.
     """
 
-    def __init__(self, model: ChainModel, unit: int, slots: int, *, persistent_only: bool = False) -> None:
+    def __init__(self, model: ChainModel, unit: int, slots: int) -> None:
         self.model = model
         self.unit = unit
         self.slots = slots
-        self.persistent_only = persistent_only
         self.P: dict = {}
         self.N: dict = {}
         self.PC: dict = {}
         self.NC: dict = {}
-        self.inf = np.full(slots + 1, np.inf)
+        self._codes: dict = {}
         self._run()
 
     def need(self, b) -> int:
@@ -370,11 +386,17 @@ class _FullProgram:
         out[:min(req, len(out))] = np.inf
         return out
 
+    def _held(self, t: int, f: int, pend: bool) -> int:
+        """Bytes resident on top of a part's baseline during its first sweep."""
+        md = self.model
+        if pend:  # x_t, the kept values of stage t+1 and its incoming gradient
+            return int(md.wx[t] + md.xbar[t + 1] + md.grad[t + 2] - md.grad[t + 1])
+        return int(md.wx[t]) if f else 0
+
     def _run(self) -> None:
         md = self.model
         L = len(md.stages)
-        fc = np.concatenate([[0.0], np.cumsum(md.fwd)])
-        need = self.need
+        self.fc = np.concatenate([[0.0], np.cumsum(md.fwd)])
         self.chain_pk = {}  # (s, j) -> peak of running stages s..j, x_{s-1} held outside
         self.chain_in = {}  # (s, j) -> the same with x_{s-1} counted and dropped in stage s
         for s in range(L):
@@ -389,82 +411,167 @@ class _FullProgram:
         for d in range(L):
             for s in range(L - d):
                 t = s + d
-                for f in (0, 1):
-                    held = int(md.wx[t]) if f else 0
-                    cands = []
-                    # A: run stage s keeping what its backward reads
-                    if d == 0:
-                        c = (md.fwd_nb[s] if f else md.fwd[s]) + md.bwd[s]
-                        pk = max(held + int(md.pa_nb[s]) if f else int(md.pa[s]), int(md.pb[s] - md.grad[s + 1]))
-                        cands.append((self._cap(np.full(self.slots + 1, c), need(pk)), (0,)))
-                    else:
-                        sub = self._shift(self.P[s + 1, t, f], need(md.xbar[s]))
-                        pk = max(int(md.pa[s]) + held, int(md.pb[s] - md.grad[t + 1]))
-                        cands.append((self._cap(sub + md.fwd[s] + md.bwd[s], need(pk)), (0,)))
-                    for sp in range(s + 1, t + 1):
-                        req = need(self.chain_pk[s, sp - 1] + held)
-                        fcost = fc[sp] - fc[s]
-                        # B: x_{sp-1} persistent
-                        top = self._shift(self.P[sp, t, f], need(md.wx[sp - 1]))
-                        for kf in (0, 1):
-                            low = self._shift(self.P[s, sp - 1, kf], need(md.grad[sp] - md.grad[t + 1]))
-                            cands.append((self._cap(top + low + fcost, req), (1, sp, kf)))
-                        # C: x_{sp-1} dropped once stages t..kp are done
-                        if self.persistent_only:
-                            continue
-                        for kp in range(sp + 1, t + 1):
-                            for e in (0, 1):
-                                top = self.N[sp, t, kp, f, e]
-                                low = self._shift(self.P[s, kp - 1, e], need(md.grad[kp] - md.grad[t + 1]))
-                                cands.append((self._cap(top + low + fcost, req), (2, sp, kp, e)))
-                    self._store(self.P, self.PC, (s, t, f), cands)
-                if self.persistent_only:
+                pends = (False, True) if t < L - 1 else (False,)
+                for pend in pends:
+                    for prime in (False, True):
+                        for f in (0, 1):
+                            key = (prime, pend, s, t, f)
+                            self._store(self.P, self.PC, key, self._p_cands(*key))
+                if s == 0:  # N parts start above a checkpoint: s >= 1
                     continue
-                for k in range(s + 1, t + 1):
-                    for f in (0, 1):
-                        held = int(md.wx[t]) if f else 0
-                        for e in (0, 1):
-                            cands = []
-                            for sp in range(s + 1, k + 1):
-                                fcost = fc[sp] - fc[s]
-                                # N1: x_{s-1} dropped in this sweep
-                                req = need(self.chain_in[s, sp - 1] + held)
-                                if sp == k:
-                                    top = self._shift(self.P[sp, t, f], need(md.wx[sp - 1]))
-                                else:
-                                    top = self.N[sp, t, k, f, e]
-                                cands.append((self._cap(top + fcost, req), (1, sp)))
-                            for sp in range(s + 1, t + 1):
-                                fcost = fc[sp] - fc[s]
-                                req = need(self.chain_pk[s, sp - 1] + int(md.wx[s - 1]) + held)
-                                bottom = need(md.wx[s - 1])
-                                # N2, x_{sp-1} persistent
-                                if sp - 1 >= k:
-                                    top = self._shift(self.P[sp, t, f], bottom + need(md.wx[sp - 1]))
-                                    for kf in (0, 1):
-                                        low = self._shift(self.N[s, sp - 1, k, kf, e],
-                                                          need(md.grad[sp] - md.grad[t + 1]))
-                                        cands.append((self._cap(top + low + fcost, req), (2, sp, kf)))
-                                # N2, x_{sp-1} dropped too
-                                for kp in range(sp + 1, t + 1):
-                                    if kp - 1 < k:
-                                        break
-                                    for e2 in (0, 1):
-                                        top = self._shift(self.N[sp, t, kp, f, e2], bottom)
-                                        low = self._shift(self.N[s, kp - 1, k, e2, e],
-                                                          need(md.grad[kp] - md.grad[t + 1]))
-                                        cands.append((self._cap(top + low + fcost, req), (3, sp, kp, e2)))
-                            self._store(self.N, self.NC, (s, t, k, f, e), cands)
+                for pend in pends:
+                    # N3 tops for every (sp, kp, e2), shifted by x_{s-1}, per f
+                    tops = [self._n3_tops(pend, s, t, f) for f in (0, 1)]
+                    for prime in (False, True):
+                        for k in range(s + 1, t + 1):
+                            for e in (0, 1):
+                                lows = self._n3_lows(prime, s, t, k, e)
+                                for f in (0, 1):
+                                    key = (prime, pend, s, t, k, f, e)
+                                    self._store(self.N, self.NC, key, self._n_cands(*key, tops[f], lows))
+
+    def _p_cands(self, prime: bool, pend: bool, s: int, t: int, f: int) -> list:
+        md, need, P, N = self.model, self.need, self.P, self.N
+        held = self._held(t, f, pend)
+        full = np.full(self.slots + 1, 0.0)
+        cands = []
+        if pend:  # run the pending backward of t+1 now
+            req = need(md.pb[t + 1] - md.grad[t + 1] + md.wx[t])
+            cands.append((self._cap(P[prime, False, s, t, f] + md.bwd[t + 1], req), ("now",)))
+        # A: run stage s keeping what its backward reads
+        if s == t:
+            if pend:  # x_t is resident for the pending backward
+                c = md.fwd_nb[s] + md.bwd[t + 1]
+                pks = [held + md.pa_nb[s], md.pb[t + 1] - md.grad[t + 1] + md.wx[t] + md.xbar_nb[s]]
+            else:
+                c = md.fwd_nb[s] if f else md.fwd[s]
+                pks = [held + md.pa_nb[s] if f else md.pa[s]]
+            if not prime:
+                c += md.bwd[s]
+                pks.append(md.pb[s] - md.grad[s + 1])
+            cands.append((self._cap(full + c, need(max(pks))), ("A",)))
+        else:
+            sub = self._shift(P[False, pend, s + 1, t, f], need(md.xbar[s]))
+            pks = [md.pa[s] + held]
+            c = md.fwd[s]
+            if not prime:
+                c += md.bwd[s]
+                pks.append(md.pb[s] - md.grad[t + 1])
+            cands.append((self._cap(sub + c, need(max(pks))), ("A",)))
+        for sp in range(s + 1, t + 1):
+            req = need(self.chain_pk[s, sp - 1] + held)
+            fcost = self.fc[sp] - self.fc[s]
+            # B: x_{sp-1} persistent; the part below may start before the backward of sp
+            top = self._shift(P[True, pend, sp, t, f], need(md.wx[sp - 1]))
+            for kf in (0, 1):
+                low = self._shift(P[prime, True, s, sp - 1, kf], need(md.grad[sp] - md.grad[t + 1]))
+                cands.append((self._cap(top + low + fcost, req), ("B", sp, kf)))
+            # C: x_{sp-1} dropped once stages t..kp are done
+            for kp in range(sp + 1, t + 1):
+                for e in (0, 1):
+                    top = N[True, pend, sp, t, kp, f, e]
+                    low = self._shift(P[prime, True, s, kp - 1, e], need(md.grad[kp] - md.grad[t + 1]))
+                    cands.append((self._cap(top + low + fcost, req), ("C", sp, kp, e)))
+        return cands
+
+    def _shift_block(self, block: np.ndarray, by: int) -> np.ndarray:
+        """:meth:`_shift` along the last axis of an array of rows."""
+        if by == 0:
+            return block
+        out = np.full_like(block, np.inf)
+        if by < 0:
+            out[..., :by] = block[..., -by:]
+            out[..., by:] = block[..., -1:]
+        elif by <= self.slots:
+            out[..., by:] = block[..., :-by]
+        return out
+
+    def _n3_tops(self, pend: bool, s: int, t: int, f: int) -> np.ndarray:
+        """``[sp - s - 1, kp - s - 1, e2]``: the top part of an N3 split (inf where
+        ``kp <= sp``), shifted by ``x_{s-1}``."""
+        A = t - s
+        block = np.full((A, A, 2, self.slots + 1), np.inf)
+        for sp in range(s + 1, t + 1):
+            for kp in range(sp + 1, t + 1):
+                for e2 in (0, 1):
+                    block[sp - s - 1, kp - s - 1, e2] = self.N[True, pend, sp, t, kp, f, e2]
+        return self._shift_block(block, self.need(self.model.wx[s - 1]))
+
+    def _n3_lows(self, prime: bool, s: int, t: int, k: int, e: int) -> np.ndarray:
+        """``[kp - s - 1, e2]``: the part below an N3 split (inf where ``kp <= k``)."""
+        md = self.model
+        A = t - s
+        block = np.full((A, 2, self.slots + 1), np.inf)
+        for kp in range(k + 1, t + 1):
+            by = self.need(md.grad[kp] - md.grad[t + 1])
+            for e2 in (0, 1):
+                block[kp - s - 1, e2] = self._shift(self.N[prime, True, s, kp - 1, k, e2, e], by)
+        return block
+
+    def _n3_codes(self, s: int, t: int) -> list:
+        key = (s, t)
+        if key not in self._codes:
+            self._codes[key] = [("N3", sp, kp, e2) for sp in range(s + 1, t + 1)
+                                for kp in range(s + 1, t + 1) for e2 in (0, 1)]
+        return self._codes[key]
+
+    def _n_cands(self, prime: bool, pend: bool, s: int, t: int, k: int, f: int, e: int,
+                 tops: np.ndarray, lows: np.ndarray) -> list:
+        md, need, P, N = self.model, self.need, self.P, self.N
+        held = self._held(t, f, pend)
+        cands = []
+        if pend:
+            req = need(md.pb[t + 1] - md.grad[t + 1] + md.wx[t] + md.wx[s - 1])
+            cands.append((self._cap(N[prime, False, s, t, k, f, e] + md.bwd[t + 1], req), ("now",)))
+        for sp in range(s + 1, k + 1):
+            fcost = self.fc[sp] - self.fc[s]
+            # N1: x_{s-1} dropped in this sweep
+            req = need(self.chain_in[s, sp - 1] + held)
+            if sp == k:
+                top = self._shift(P[prime, pend, sp, t, f], need(md.wx[sp - 1]))
+            else:
+                top = N[prime, pend, sp, t, k, f, e]
+            cands.append((self._cap(top + fcost, req), ("N1", sp)))
+        bottom = need(md.wx[s - 1])
+        reqs = np.empty(t - s, dtype=np.int64)
+        for sp in range(s + 1, t + 1):
+            fcost = self.fc[sp] - self.fc[s]
+            req = need(self.chain_pk[s, sp - 1] + int(md.wx[s - 1]) + held)
+            reqs[sp - s - 1] = req
+            # N2, x_{sp-1} persistent
+            if sp - 1 >= k:
+                top = self._shift(P[True, pend, sp, t, f], bottom + need(md.wx[sp - 1]))
+                for kf in (0, 1):
+                    low = self._shift(N[prime, True, s, sp - 1, k, kf, e], need(md.grad[sp] - md.grad[t + 1]))
+                    cands.append((self._cap(top + low + fcost, req), ("N2", sp, kf)))
+        # N3, x_{sp-1} dropped too, once stages t..kp are done (all sp, kp, e2 at once)
+        if k < t:
+            fcost = (self.fc[s + 1:t + 1] - self.fc[s])[:, None, None, None]
+            vals = tops + lows[None] + fcost
+            cols = np.arange(self.slots + 1)
+            vals = np.where(cols[None, None, None, :] < reqs[:, None, None, None], np.inf, vals)
+            cands.append((vals.reshape(-1, self.slots + 1), self._n3_codes(s, t)))
+        return cands
 
     def _store(self, table, choices, key, cands) -> None:
-        vals = np.stack([c[0] for c in cands])
+        """Keep the cheapest candidate per slot count. A candidate is one row with its
+        code, or a block of rows with a list of codes."""
+        rows, codes = [], []
+        for vals, code in cands:
+            if vals.ndim == 1:
+                rows.append(vals[None])
+                codes.append(code)
+            else:
+                rows.append(vals)
+                codes.extend(code)
+        vals = np.concatenate(rows)
         j = np.argmin(vals, axis=0)
         table[key] = vals[j, np.arange(vals.shape[1])]
-        choices[key] = ([c[1] for c in cands], j)
+        choices[key] = (codes, j)
 
-    def cost(self, m: int) -> float:
-        L = len(self.model.stages)
-        return float(self.P[0, L - 1, 0][m])
+    def row(self) -> np.ndarray:
+        """Least cost of the whole chain at every slot count."""
+        return self.P[False, False, 0, len(self.model.stages) - 1, 0]
 
     def emit(self, m: int) -> list:
         """The op sequence of the table's choice with ``m`` slots at the top level."""
@@ -473,11 +580,14 @@ class _FullProgram:
         L = len(st)
         need = self.need
         seq: list = []
-        stack: list = [("P", (0, L - 1, 0), m)]
+        stack: list = [("P", (False, False, 0, L - 1, 0), m)]
 
         def fwd(a, b):
             for i in range(a, b):
                 seq.extend(st[i].forward)
+
+        def gshift(a, t):
+            return need(md.grad[a] - md.grad[t + 1])
 
         while stack:
             kind, key, mm = stack.pop()
@@ -486,48 +596,58 @@ class _FullProgram:
                 continue
             mm = min(mm, self.slots)
             if kind == "P":
-                s, t, f = key
+                prime, pend, s, t, f = key
                 codes, j = self.PC[key]
                 code = codes[j[mm]]
-                if code[0] == 0:
+                if code[0] == "now":
+                    seq.extend(st[t + 1].backward)
+                    stack.append(("P", (prime, False, s, t, f), mm))
+                elif code[0] == "A":
                     if s == t:
-                        seq.extend(st[s].forward[:-1] if f else st[s].forward)
-                        seq.extend(st[s].backward)
+                        seq.extend(st[s].forward[:-1] if (f or pend) else st[s].forward)
+                        if pend:
+                            seq.extend(st[t + 1].backward)
+                        if not prime:
+                            seq.extend(st[s].backward)
                     else:
                         seq.extend(st[s].forward)
-                        stack.append(("ops", st[s].backward, 0))
-                        stack.append(("P", (s + 1, t, f), mm - need(md.xbar[s])))
-                elif code[0] == 1:
+                        if not prime:
+                            stack.append(("ops", st[s].backward, 0))
+                        stack.append(("P", (False, pend, s + 1, t, f), mm - need(md.xbar[s])))
+                elif code[0] == "B":
                     _, sp, kf = code
                     fwd(s, sp)
-                    stack.append(("P", (s, sp - 1, kf), mm - need(md.grad[sp] - md.grad[t + 1])))
-                    stack.append(("P", (sp, t, f), mm - need(md.wx[sp - 1])))
+                    stack.append(("P", (prime, True, s, sp - 1, kf), mm - gshift(sp, t)))
+                    stack.append(("P", (True, pend, sp, t, f), mm - need(md.wx[sp - 1])))
                 else:
                     _, sp, kp, e = code
                     fwd(s, sp)
-                    stack.append(("P", (s, kp - 1, e), mm - need(md.grad[kp] - md.grad[t + 1])))
-                    stack.append(("N", (sp, t, kp, f, e), mm))
+                    stack.append(("P", (prime, True, s, kp - 1, e), mm - gshift(kp, t)))
+                    stack.append(("N", (True, pend, sp, t, kp, f, e), mm))
             else:
-                s, t, k, f, e = key
+                prime, pend, s, t, k, f, e = key
                 codes, j = self.NC[key]
                 code = codes[j[mm]]
-                if code[0] == 1:
+                if code[0] == "now":
+                    seq.extend(st[t + 1].backward)
+                    stack.append(("N", (prime, False, s, t, k, f, e), mm))
+                elif code[0] == "N1":
                     sp = code[1]
                     fwd(s, sp)
                     if sp == k:
-                        stack.append(("P", (sp, t, f), mm - need(md.wx[sp - 1])))
+                        stack.append(("P", (prime, pend, sp, t, f), mm - need(md.wx[sp - 1])))
                     else:
-                        stack.append(("N", (sp, t, k, f, e), mm))
-                elif code[0] == 2:
+                        stack.append(("N", (prime, pend, sp, t, k, f, e), mm))
+                elif code[0] == "N2":
                     _, sp, kf = code
                     fwd(s, sp)
-                    stack.append(("N", (s, sp - 1, k, kf, e), mm - need(md.grad[sp] - md.grad[t + 1])))
-                    stack.append(("P", (sp, t, f), mm - need(md.wx[s - 1]) - need(md.wx[sp - 1])))
+                    stack.append(("N", (prime, True, s, sp - 1, k, kf, e), mm - gshift(sp, t)))
+                    stack.append(("P", (True, pend, sp, t, f), mm - need(md.wx[s - 1]) - need(md.wx[sp - 1])))
                 else:
                     _, sp, kp, e2 = code
                     fwd(s, sp)
-                    stack.append(("N", (s, kp - 1, k, e2, e), mm - need(md.grad[kp] - md.grad[t + 1])))
-                    stack.append(("N", (sp, t, kp, f, e2), mm - need(md.wx[s - 1])))
+                    stack.append(("N", (prime, True, s, kp - 1, k, e2, e), mm - gshift(kp, t)))
+                    stack.append(("N", (True, pend, sp, t, kp, f, e2), mm - need(md.wx[s - 1])))
         return seq
 
 
@@ -569,9 +689,9 @@ def chain_dp(
         Default: 400, fewer for long chains (about 10^7 / S^3 x 6, at least 32) so that
         the program answers in about a second; 400 for the non-persistent program.
     nonpersistent : bool, optional
-        Use the program with non-persistent checkpoints (default: when the chain has at
-        most :data:`FULL_PROGRAM_STAGES` stages); ``False`` gives the persistent rotor
-        family.
+        Use the program with non-persistent checkpoints and hoisted recomputation
+        (default: when the chain has at most :data:`FULL_PROGRAM_STAGES` stages);
+        ``False`` gives the persistent rotor family.
 
     Returns
     -------
@@ -614,7 +734,7 @@ def chain_dp(
     span = max(top, min(total // unit + 1, top + top // 8))
     if full:
         prog = _FullProgram(model, unit, span)
-        row = prog.P[0, len(stages) - 1, 0]
+        row = prog.row()
     else:
         prog = _Program(model, unit, span)
         row = prog.cost[0, len(stages) - 1, 0, 1:]

@@ -6,7 +6,7 @@ import heapq
 import random
 
 import pytest
-from hypothesis import given, settings, strategies as st
+from hypothesis import example, given, settings, strategies as st
 
 from graphs import ComputeGraph
 from solver import NoScheduleFound, simulate, solve
@@ -171,9 +171,11 @@ def _random_chain(rng: random.Random, n: int, *, bwd_time: bool) -> ComputeGraph
 @pytest.mark.slow
 @settings(max_examples=60, deadline=None)
 @given(n=st.integers(2, 5), seed=st.integers(0, 10_000), bwd_time=st.booleans())
+@example(n=5, seed=2758, bwd_time=False)  # recomputation hoisted above a backward
 def test_equals_brute_force_of_the_stage_space_at_every_budget(n, seed, bwd_time):
     # the Checkmate stage space (what checkmate_milp optimizes), searched exhaustively;
-    # on these chains the optimum often drops a checkpoint after advancing from it
+    # on these chains the optimum often drops a checkpoint after advancing from it, and
+    # sometimes recomputes for a lower stage before the backward of the stage above
     from solver.methods.bruteforce import brute_force_fixed
     g = _random_chain(random.Random(seed), n, bwd_time=bwd_time)
     lo = peak_lower_bound(g)[0]
@@ -200,3 +202,20 @@ def test_non_persistent_checkpoint_beats_the_persistent_family():
     persistent = solve(g, budget, method="chain_dp", nonpersistent=False)
     assert full.peak_bytes <= budget
     assert full.cost < persistent.cost
+
+
+def test_recomputation_hoisted_above_a_backward_that_grows_memory():
+    # After b4, f0, f2 and f3 are resident (36 B with b4's gradient). b3 frees f3 and
+    # b4's gradient (6 B) but makes an 11 B gradient, so recomputing f1 from f0 (which
+    # needs f0 and f1 together, 25 B) fits 52 B only before b3 (36 + 15 = 51), not after
+    # it (41 + 15 = 56). Without that order the cheapest way recomputes f2 instead.
+    from solver.methods.bruteforce import brute_force_fixed
+    g = training_chain(5, fwd_bytes=[10, 15, 20, 5, 13], fwd_time=[2.0, 6.0, 9.0, 4.0, 5.0],
+                       bwd_bytes=[15, 16, 3, 11, 1])
+    budget = 52
+    s = solve(g, budget, method="chain_dp")
+    assert s.peak_bytes <= budget
+    assert s.cost == pytest.approx(simulate(g, brute_force_fixed(g, budget)).cost)
+    seq = s.sequence
+    again = seq.index("f1", seq.index("b4"))  # the recomputation of f1
+    assert again < seq.index("b3")
