@@ -169,12 +169,10 @@ _SEED_RESERVE = 64
 
 
 def _untracked_bytes(cg: ComputeGraph | None) -> int:
-    """Bytes the prediction charges that a live-tensor tracker cannot see in a single
-    process step: the optimizer state, not yet created (the tracker sees the loss and
-    its gradient seed)."""
-    if cg is None:
-        return 0
-    return cg.meta.get("untracked_bytes", cg.meta.get("extra_fixed_bytes", 0))
+    """Bytes the prediction charges that a live-tensor tracker cannot see in a step of
+    the bare model: the optimizer state, not yet created, and under DDP the gradient
+    buckets (the tracker sees the loss and its gradient seed)."""
+    return 0 if cg is None else cg.meta.get("untracked_bytes", 0)
 
 
 def _backward_from_loss(cg: ComputeGraph) -> None:
@@ -555,6 +553,7 @@ class _DataParallel:
                                           grad_bytes=grads, optimizer_bytes=opt_bytes,
                                           gradient_as_bucket_view=bool(self.options.get("gradient_as_bucket_view")))
             cg.meta["extra_fixed_bytes"] += self.fixed.buckets
+            cg.meta["untracked_bytes"] += self.fixed.buckets  # a planning step of the bare model has none
             # a tracker sees the buckets (recorded by the comm hook), not the optimizer state
             self.untracked = opt_bytes + _SEED_RESERVE + (0 if self.record_buckets else self.fixed.buckets)
         else:  # rank_peak shards parameters, gradients and the optimizer state itself
@@ -626,7 +625,7 @@ def _plan_graph_checked(m, args, kwargs, cg, budget, act_budget, store_all, capt
     out = _plan_graph(cg, budget, act_budget, store_all, capture_s, t1, method, time_limit, state,
                       compiler=compiler, margin=margin, original_peak=lambda: _measured_peak(
                           m, lambda: type(m).forward(m, *args, **kwargs), args, kwargs))
-    if not isinstance(out, ScheduledStep) or not self_check or _reproduces(m, out, args, kwargs):
+    if not isinstance(out, ScheduledStep) or not self_check or _checked(m, out, args, kwargs, cg, state):
         return out
     # a rewrite that does not give the model's gradients is never handed out
     first = state["report"].method
@@ -637,11 +636,20 @@ def _plan_graph_checked(m, args, kwargs, cg, budget, act_budget, store_all, capt
                                    compiler=compiler, margin=margin)
             except RematError:
                 continue
-            if not isinstance(cand, ScheduledStep) or _reproduces(m, cand, args, kwargs):
+            if not isinstance(cand, ScheduledStep) or _checked(m, cand, args, kwargs, cg, state):
                 state["report"].notes.append(f"the {first} schedule failed the gradient self-check; using {fallback}")
                 return cand
     raise SolverError(f"the graph-mode rewrite ({first}) does not reproduce the model's gradients on the example "
                       "batch; use mode='module' (please report this)")
+
+
+def _checked(m, step, args, kwargs, cg, state) -> bool:
+    """Whether the rewrite reproduces the model's gradients; its measured peak (the same
+    step) goes to the report."""
+    same, peak = _reproduces(m, step, args, kwargs)
+    if peak is not None:
+        state["report"].checked_peak_bytes = peak + _untracked_bytes(cg)
+    return same
 
 
 def _plan_graph(cg, budget, act_budget, store_all, capture_s, t1, method, time_limit, state, *, compiler="eager",
@@ -789,22 +797,30 @@ def _fit_measured(model: nn.Module, make: Callable[[int], Any], run: Callable[[A
                       "ask for a larger budget")
 
 
-def _reproduces(model: nn.Module, step: ScheduledStep, args: tuple, kwargs: dict) -> bool:
-    """One step of the rewrite against eager on the example batch: same loss and
-    gradients (to float tolerance). Gradients, buffers and the RNG are left as found."""
+def _reproduces(model: nn.Module, step: ScheduledStep, args: tuple, kwargs: dict) -> tuple[bool, int | None]:
+    """One step of the rewrite against eager on the example batch: whether it gives the
+    same loss and gradients (to float tolerance), and the rewrite's peak measured by the
+    live-tensor tracker (None for meta or fake inputs). Gradients, buffers and the RNG
+    are left as found."""
     if _not_real(args, kwargs):
-        return True  # nothing real to run
+        return True, None  # nothing real to run
     params = list(model.parameters())
     results = []
-    for run in (lambda: step(model, args, kwargs), lambda: type(model).forward(model, *args, **kwargs)):
+    tracker = MemoryTracker(model, _capture_inputs(args, kwargs))
+    for run, tracked in ((lambda: step(model, args, kwargs), tracker),
+                         (lambda: type(model).forward(model, *args, **kwargs), contextlib.nullcontext())):
         with _step_undone(model):
             torch.manual_seed(1234)
-            loss = default_loss(run())
-            loss.backward()
+            with tracked:
+                out = run()  # held during backward, as verify does
+                loss = default_loss(out)
+                loss.backward()
+                del out
             results.append((loss.detach(), [None if p.grad is None else p.grad.detach().clone() for p in params]))
     (la, ga), (lb, gb) = results
     compiled = getattr(step, "compiler", "eager") != "eager"
-    return _close(la, lb, compiled) and all(_close(x, y, compiled) for x, y in zip(ga, gb))
+    same = _close(la, lb, compiled) and all(_close(x, y, compiled) for x, y in zip(ga, gb))
+    return same, int(tracker.peak_bytes)
 
 
 def _close(x: torch.Tensor | None, y: torch.Tensor | None, compiled: bool) -> bool:

@@ -341,3 +341,14 @@ def test_no_plan_with_room_for_what_the_step_allocates_is_an_infeasible_budget()
     with pytest.raises(InfeasibleBudget, match="measured peak") as info:
         _fit_measured(model, make, lambda _: lambda: model(x).sum() + torch.zeros(10_000).sum(), (x,), {}, 1000, state)
     assert info.value.smallest_feasible_bytes > 10**6
+
+
+@pytest.mark.parametrize("mode", ["graph", "module"])
+def test_planning_checks_the_plan_with_a_measured_step_like_verify(mode):
+    model, inputs = ZOO["gpt"]()
+    store_all, _ = _peaks("gpt")
+    fast = solver.optimize(model, 0.5 * store_all / GiB, inputs, mode=mode, measure_time=False)
+    checked = fast.report.checked_peak_bytes
+    assert checked is not None and checked <= fast.report.budget_bytes
+    report = solver.verify(fast, inputs)
+    assert checked == pytest.approx(report.measured_peak_bytes, rel=0.01)
