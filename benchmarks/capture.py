@@ -31,10 +31,9 @@ CASES = {
 def _run(name: str, queue) -> None:
     sys.path.insert(0, str(ROOT))
     import torch
-    from torch._subclasses.fake_tensor import FakeTensorMode
-
     from examples import models
     from graphs.capture import capture
+    from graphs.torch_internals import FakeTensorMode
 
     torch.set_num_threads(1)
     case = CASES[name]

@@ -153,9 +153,9 @@ def run_one(model_name: str, variant: str, fraction: float | None, store_all: in
         if not _sequential(model_name, model):
             return {**out, "status": "n/a"}
     elif variant == "compile_budget":
-        import torch._functorch.config
+        from graphs.torch_internals import functorch_config
 
-        torch._functorch.config.activation_memory_budget = fraction
+        functorch_config().activation_memory_budget = fraction
         step_model = torch.compile(model)
     elif variant.startswith("remat"):
         import solver

@@ -38,12 +38,14 @@ from typing import Any, Callable
 import torch
 import torch.fx
 import torch.fx.traceback as fx_traceback
-from torch.utils import _pytree as pytree
 
 from graphs import costs
 from graphs.compute_graph import BACKWARD_START, ComputeGraph
 from graphs.errors import CaptureError
 from graphs.hardware import Hardware, get_hardware
+from graphs.torch_internals import (FakeTensorMode, aot_export_joint, drop_python_kernels, fake_mode_of, is_fake,
+                                     is_op_overload, op_schema, override_python_kernels, tree_flatten,
+                                     tree_leaves, tree_unflatten)
 
 __all__ = ["capture", "CaptureInfo", "default_loss", "is_random_op"]
 
@@ -82,7 +84,7 @@ def default_loss(output: Any) -> torch.Tensor:
         return loss
     if hasattr(output, "to_tuple"):
         output = output.to_tuple()
-    floats = [t for t in pytree.tree_leaves(output) if isinstance(t, torch.Tensor) and t.is_floating_point()]
+    floats = [t for t in tree_leaves(output) if isinstance(t, torch.Tensor) and t.is_floating_point()]
     if not floats:
         raise CaptureError(
             "the model returned no floating point tensor to differentiate; pass loss_fn=... "
@@ -103,29 +105,6 @@ class _Replay(torch.fx.Interpreter):
         return self._replace.get(target, target)(*args, **kwargs)
 
 
-@contextlib.contextmanager
-def _python_kernels(replace: dict):
-    """Route ops that composite kernels call internally (e.g. the dropout inside the
-    math attention kernel) to ``replace`` while tracing under the Python dispatcher."""
-    from torch._C import DispatchKey
-
-    saved = []
-    try:
-        for op, fn in replace.items():
-            for key in (DispatchKey.CompositeImplicitAutograd, DispatchKey.Autograd):
-                saved.append((op, key, op.py_kernels.get(key)))
-                op.py_kernels[key] = fn
-            op._dispatch_cache.clear()
-        yield
-    finally:
-        for op, key, fn in saved:
-            if fn is None:
-                op.py_kernels.pop(key, None)
-            else:
-                op.py_kernels[key] = fn
-            op._dispatch_cache.clear()
-
-
 class _LossStep(torch.nn.Module):
     """Replays the exported forward graph node by node, then computes the loss."""
 
@@ -138,13 +117,13 @@ class _LossStep(torch.nn.Module):
         self._replace = dict(replace or {})
 
     def forward(self, *flat_inputs: Any) -> Any:
-        with _python_kernels(self._replace):
+        with override_python_kernels(self._replace):
             flat_out = _Replay(self.gm, self._replace).run(*flat_inputs, enable_io_processing=False)
         if not isinstance(flat_out, (list, tuple)):
             flat_out = [flat_out]
         if self._loss_fn is None:  # backward from the outputs
             return tuple(flat_out)
-        out = pytree.tree_unflatten(list(flat_out), self._out_spec)
+        out = tree_unflatten(list(flat_out), self._out_spec)
         loss = self._loss_fn(out)
         if not (isinstance(loss, torch.Tensor) and loss.dim() == 0):
             raise CaptureError(f"the loss must be a scalar tensor, got {type(loss).__name__} "
@@ -198,13 +177,11 @@ class CaptureInfo:
 
 def _export_joint(stack: contextlib.ExitStack, step: torch.nn.Module, flat_inputs: list, fake_mode: Any) -> Any:
     """AOTAutograd's joint forward+backward export of ``step``, inside ``stack``."""
-    from torch._functorch.aot_autograd import aot_export_joint_with_descriptors
-
     stack.enter_context(fx_traceback.preserve_node_meta())
     if fake_mode is not None:
         stack.enter_context(fake_mode)
     stack.enter_context(_native_upsampling())
-    return aot_export_joint_with_descriptors(stack, step, tuple(flat_inputs))
+    return aot_export_joint(stack, step, tuple(flat_inputs))
 
 
 def _user_frame(exc: BaseException) -> str:
@@ -248,26 +225,14 @@ def _native_upsampling():
     kernels (a U-Net's nearest-neighbour upsampling: 56 ms against 7.5 ms per step), so
     for the length of the trace the native kernels and their autograd formulas are used.
     """
-    from torch._C import DispatchKey
-
-    keys = (DispatchKey.Autograd, DispatchKey.CompositeImplicitAutograd)
-    removed = []
+    ops = []
     for name in dir(torch.ops.aten):
         if "upsample" not in name or name.endswith("_backward"):
             continue
         packet = getattr(torch.ops.aten, name)
-        for overload in packet.overloads():
-            op = getattr(packet, overload)
-            for key in keys:
-                if key in op.py_kernels:
-                    removed.append((op, key, op.py_kernels.pop(key)))
-            op._dispatch_cache.clear()
-    try:
+        ops.extend(getattr(packet, overload) for overload in packet.overloads())
+    with drop_python_kernels(ops):
         yield
-    finally:
-        for op, key, fn in removed:
-            op.py_kernels[key] = fn
-            op._dispatch_cache.clear()
 
 
 def _capture_error(exc: BaseException, stage: str) -> CaptureError:
@@ -289,9 +254,7 @@ def _capture_error(exc: BaseException, stage: str) -> CaptureError:
 
 
 def _is_fake_or_meta(t: Any) -> bool:
-    from torch._subclasses.fake_tensor import FakeTensor
-
-    return isinstance(t, torch.Tensor) and (isinstance(t, FakeTensor) or t.device.type == "meta")
+    return isinstance(t, torch.Tensor) and (is_fake(t) or t.device.type == "meta")
 
 
 def _to_fake(model: torch.nn.Module, flat_inputs: list, fake_mode: Any) -> tuple[torch.nn.Module, list]:
@@ -302,10 +265,8 @@ def _to_fake(model: torch.nn.Module, flat_inputs: list, fake_mode: Any) -> tuple
     """
     import copy
 
-    from torch._subclasses.fake_tensor import FakeTensor
-
     def fake(t: torch.Tensor) -> torch.Tensor:
-        if isinstance(t, FakeTensor) and t.fake_mode is fake_mode and t.device.type != "meta":
+        if fake_mode_of(t) is fake_mode and t.device.type != "meta":
             return t
         device = "cpu" if t.device.type == "meta" else t.device
         with fake_mode:
@@ -325,10 +286,10 @@ def _to_fake(model: torch.nn.Module, flat_inputs: list, fake_mode: Any) -> tuple
 def _mark_inplace(gm: torch.fx.GraphModule) -> None:
     for node in gm.graph.nodes:
         target = node.target
-        if node.op == "call_function" and isinstance(target, torch._ops.OpOverload):
-            schema = target._schema
-            if (schema.returns and schema.returns[0].alias_info is not None
-                    and schema.returns[0].alias_info.is_write
+        if node.op == "call_function" and is_op_overload(target):
+            returns = op_schema(target).returns
+            if (returns and returns[0].alias_info is not None
+                    and returns[0].alias_info.is_write
                     and target.overloadpacket.__name__ not in _INPLACE_EXEMPT):
                 custom = dict(node.meta.get("custom") or {})
                 custom["remat_inplace"] = True
@@ -370,7 +331,7 @@ def _clean_path(path: str) -> str:
 def _op_name(node: torch.fx.Node) -> str:
     if node.target is operator.getitem:
         return f"getitem[{node.args[1]}]"
-    if isinstance(node.target, torch._ops.OpOverload):
+    if is_op_overload(node.target):
         return str(node.target)
     return str(node.target) if node.op == "call_function" else node.op
 
@@ -386,7 +347,7 @@ def is_random_op(node: torch.fx.Node) -> bool:
     >>> is_random_op(g.call_function(torch.ops.aten.relu.default, (x,)))
     False
     """
-    if not isinstance(node.target, torch._ops.OpOverload):
+    if not is_op_overload(node.target):
         return False
     if torch.Tag.nondeterministic_seeded in node.target.tags:
         return True
@@ -470,7 +431,7 @@ def capture(
         args, kwargs = (example_inputs,), {}
     loss_fn = loss_fn or default_loss
 
-    tensors = [t for t in pytree.tree_leaves((args, kwargs)) if isinstance(t, torch.Tensor)]
+    tensors = [t for t in tree_leaves((args, kwargs)) if isinstance(t, torch.Tensor)]
     state = [t for t in list(model.parameters()) + list(model.buffers())]
     real = not any(_is_fake_or_meta(t) for t in tensors + state)
     if measure_time is None:
@@ -481,13 +442,11 @@ def capture(
 
     fake_mode = None
     work_model = model
-    flat_in, in_spec = pytree.tree_flatten((args, kwargs))
+    flat_in, in_spec = tree_flatten((args, kwargs))
     if not real:
-        from torch._subclasses.fake_tensor import FakeTensorMode
-
         fake_mode = FakeTensorMode(allow_non_fake_inputs=True)
         work_model, flat_in = _to_fake(model, flat_in, fake_mode)
-    eargs, ekwargs = pytree.tree_unflatten(flat_in, in_spec)
+    eargs, ekwargs = tree_unflatten(flat_in, in_spec)
 
     # 1. forward at ATen level, with source lines
     try:
@@ -671,7 +630,7 @@ def _build(gm: torch.fx.GraphModule, storage: dict, *, name: str, shared: dict[s
             if b != u.name:
                 cg.add_edge(b, node.name)
     out_node = next(n for n in gm.graph.nodes if n.op == "output")
-    for v in pytree.tree_leaves(out_node.args):
+    for v in tree_leaves(out_node.args):
         if isinstance(v, torch.fx.Node):
             for n in {v.name, base_of.get(v.name, v.name)}:
                 if cg[n]["kind"] == "op":

@@ -29,10 +29,10 @@ from typing import Any, Callable, Mapping
 
 import torch
 import torch.fx
-from torch.utils._pytree import tree_leaves
 
 from graphs.errors import CaptureError
 from graphs.hardware import Hardware
+from graphs.torch_internals import is_op_overload, op_schema, tree_leaves
 
 __all__ = [
     "StorageRecord",
@@ -114,12 +114,12 @@ def _aliased_arg(node: torch.fx.Node) -> torch.fx.Node | None:
     if custom.get("remat_inplace") and node.meta.get("partitioner_tag") != "is_backward":
         first = node.args[0] if node.args else None
         return first if isinstance(first, torch.fx.Node) else None
-    if not isinstance(target, torch._ops.OpOverload):
+    if not is_op_overload(target):
         return None
     if target is torch.ops.aten._unsafe_view.default:
         first = node.args[0]
         return first if isinstance(first, torch.fx.Node) else None
-    schema = target._schema
+    schema = op_schema(target)
     if not schema.returns or schema.returns[0].alias_info is None:
         return None
     for i, arg in enumerate(schema.arguments):
@@ -177,7 +177,7 @@ def annotate_storage(gm: torch.fx.GraphModule) -> dict[torch.fx.Node, StorageRec
 def _flop_counter(target: Any) -> Callable[..., int] | None:
     from torch.utils.flop_counter import flop_registry
 
-    if not isinstance(target, torch._ops.OpOverload):
+    if not is_op_overload(target):
         return None
     return flop_registry.get(target.overloadpacket)
 

@@ -38,11 +38,11 @@ from typing import Any, Iterable, Mapping, Sequence
 
 import torch
 from torch import nn
-from torch.utils._pytree import tree_leaves
 
 from graphs.errors import RematError
 from graphs.memory import MemoryTracker
 from graphs.module_mode import _plan_active, apply_module_plan
+from graphs.torch_internals import local_tensor, storage_key, tree_leaves
 
 __all__ = [
     "DistributedPlanError", "SUPPORTED", "check_supported", "fsdp_units", "apply_under_fsdp",
@@ -329,17 +329,14 @@ class RankMemoryTracker(MemoryTracker):
         self._storages: dict[int, Any] = {}
 
     def _track(self, t: torch.Tensor) -> None:
-        from torch.distributed.tensor import DTensor
-
-        if isinstance(t, DTensor):
-            t = t._local_tensor
+        t = local_tensor(t)
         if t.device.type == "meta":
             return
         try:
             st = t.untyped_storage()
         except Exception:
             return
-        key = st._cdata
+        key = storage_key(st)
         if key in self._storages:
             return
         self._storages[key] = weakref.ref(st)

@@ -32,13 +32,14 @@ from typing import Any, Callable, Hashable, Sequence
 
 import torch
 from torch import nn
-from torch.utils import _pytree as pytree
 
 from graphs.capture import is_random_op
 from graphs.compute_graph import BACKWARD_START, ComputeGraph
 from graphs.costs import _tensor_storage_bytes, annotate_storage
 from graphs.errors import RematError
 from graphs.rewrite import _is_view, boxed, partition_by_schedule
+from graphs.torch_internals import (FakeTensorMode, aot_compile_joint, detect_fake_mode, inductor_compile,
+                                     is_op_overload, tree_flatten, tree_unflatten)
 
 __all__ = ["ScheduledStep", "wrap_graph_mode", "input_signature", "memory_profile", "COMPILERS"]
 
@@ -59,7 +60,7 @@ def _runs_eagerly(node: torch.fx.Node) -> bool:
     the graph's order."""
     if node.op != "call_function" or node.target is operator.getitem:
         return False
-    if not isinstance(node.target, torch._ops.OpOverload):
+    if not is_op_overload(node.target):
         return True
     return is_random_op(node)
 
@@ -225,76 +226,6 @@ def _fake_inputs(gm: torch.fx.GraphModule, fake_mode: Any) -> list:
     return out
 
 
-def _inductor(gm: torch.fx.GraphModule, example_inputs: Sequence, *, is_backward: bool,
-              segment: bool = False) -> Callable:
-    """Decompose ``gm`` for inductor and compile it (boxed calling convention). A segment
-    of a graph compiles outside AOTAutograd's tracing context, which describes the
-    outputs of the whole graph."""
-    from torch._inductor import compile_fx as inductor_fx
-    from torch._inductor import config as inductor_config
-    from torch._inductor.decomposition import select_decomp_table
-    from torch._inductor.virtualized import V
-    from torch.fx.experimental.proxy_tensor import make_fx
-
-    fake_mode = torch._guards.detect_fake_mode(example_inputs)
-    with contextlib.ExitStack() as stack:
-        if fake_mode is not None:
-            stack.enter_context(fake_mode)
-        lowered = make_fx(gm, decomposition_table=select_decomp_table())(*example_inputs)
-    if segment:  # the next segment, or an eager op, reads these with the strides fx recorded
-        out = lowered.graph.output_node()
-        out.meta["user_visible_output_idxs"] = list(range(len(out.args[0])))
-    with contextlib.ExitStack() as stack:
-        if fake_mode is not None:
-            stack.enter_context(V.set_fake_mode(fake_mode))
-        if segment:
-            stack.enter_context(torch._guards.tracing(None))
-        # random ops left after decomposition draw from the global generator, as eager
-        stack.enter_context(inductor_config.patch(fallback_random=True))
-        if segment:  # no copies into another layout: a segment allocates what its fx ops make
-            stack.enter_context(inductor_config.patch(layout_optimization=False))
-        compiled = inductor_fx.compile_fx_inner(lowered, example_inputs, is_backward=is_backward)
-    _allocate_through_dispatcher(compiled)
-    return compiled
-
-
-def _empty_strided(size: Sequence[int], stride: Sequence[int], dtype: torch.dtype, *, device: str) -> torch.Tensor:
-    return torch.empty_strided(size, stride, dtype=dtype, device=device)
-
-
-def _generated_namespace(fn: Any, depth: int = 4) -> dict | None:
-    """The globals of inductor's generated module behind ``fn``, looking through the
-    wrappers inductor may put around it (input alignment: a closure over the call)."""
-    namespace = getattr(fn, "__globals__", None)
-    if namespace is not None and any(k.startswith("empty_strided_") for k in namespace):
-        return namespace
-    if depth == 0:
-        return None
-    inner = [getattr(fn, "__wrapped__", None), getattr(fn, "__func__", None)]
-    inner += [c.cell_contents for c in (getattr(fn, "__closure__", None) or ()) if callable(c.cell_contents)]
-    for candidate in inner:
-        if candidate is not None:
-            found = _generated_namespace(candidate, depth - 1)
-            if found is not None:
-                return found
-    return None
-
-
-def _allocate_through_dispatcher(compiled: Any) -> None:
-    """Make the buffers of inductor's generated code ordinary ``torch.empty_strided``
-    calls, so that :class:`graphs.memory.MemoryTracker` (a dispatch mode) sees every
-    tensor of a compiled step. Inductor's code allocates through a direct C++ binding
-    otherwise; the cost is one dispatcher call per buffer."""
-    namespace = _generated_namespace(getattr(compiled, "current_callable", None))
-    if namespace is None:
-        raise RematError("compiler='inductor': found no generated Python module behind a compiled graph "
-                         "(is inductor's C++ wrapper on?), so its memory could not be measured; "
-                         "use compiler='eager'")
-    for device in ("cpu", "cuda", "xpu"):
-        if f"empty_strided_{device}" in namespace:
-            namespace[f"empty_strided_{device}"] = functools.partial(_empty_strided, device=device)
-
-
 def _inductor_compiler(is_backward: bool, compiled: dict[str, int], headroom: int | None) -> Callable:
     """AOTAutograd's ``fw_compiler``/``bw_compiler`` for one of the partitioned graphs:
     inductor for the segments :func:`_segments` gives it, plain fx code for the rest (the
@@ -306,7 +237,7 @@ def _inductor_compiler(is_backward: bool, compiled: dict[str, int], headroom: in
             part, chosen = _segments(gm, is_backward=is_backward, headroom=headroom)
             if len(set(part.values())) == 1 and chosen:
                 compiled[which] = 1
-                return _inductor(gm, example_inputs, is_backward=is_backward)
+                return inductor_compile(gm, example_inputs, is_backward=is_backward)
             return boxed(_fuse_segments(gm, part, chosen, example_inputs, is_backward, compiled, which))
         except RematError:
             raise
@@ -331,9 +262,9 @@ def _fuse_segments(gm: torch.fx.GraphModule, part: dict[torch.fx.Node, int], cho
     for node in gm.graph.nodes:
         if part.get(node) in chosen:
             members.setdefault(part[node], []).append(node)
-    fake_mode = torch._guards.detect_fake_mode(example_inputs)
+    fake_mode = detect_fake_mode(example_inputs)
     if fake_mode is None:
-        fake_mode = torch._subclasses.FakeTensorMode(allow_non_fake_inputs=True)
+        fake_mode = FakeTensorMode(allow_non_fake_inputs=True)
     root = nn.Module()
     graph = torch.fx.Graph()
     env: dict[torch.fx.Node, torch.fx.Node] = {}
@@ -360,7 +291,7 @@ def _fuse_segments(gm: torch.fx.GraphModule, part: dict[torch.fx.Node, int], cho
             sub_env[n] = sub.node_copy(n, lambda x: sub_env[x])
         sub.output(tuple(sub_env[n] for n in outputs))
         sub_gm = torch.fx.GraphModule(gm, sub)
-        fn = _inductor(sub_gm, _fake_inputs(sub_gm, fake_mode), is_backward=is_backward, segment=True)
+        fn = inductor_compile(sub_gm, _fake_inputs(sub_gm, fake_mode), is_backward=is_backward, segment=True)
         name = f"inductor_{len(list(root.children()))}"
         root.add_module(name, _Compiled(fn))
         call = graph.call_module(name, tuple(env[a] for a in inputs))
@@ -426,8 +357,6 @@ class ScheduledStep:
 
     def __init__(self, graph: ComputeGraph, sequence: Sequence[Hashable], *, compiler: str = "eager",
                  headroom: int | tuple[int, int] | None = 0) -> None:
-        from torch._functorch.aot_autograd import aot_compile_joint_with_descriptors
-
         if compiler not in COMPILERS:
             raise RematError(f"compiler must be one of {COMPILERS}, got {compiler!r}")
         info = graph.capture_info
@@ -448,7 +377,7 @@ class ScheduledStep:
             jd = info.export_joint(stack)
             self.params_spec = list(jd.params_spec)
             self.buffers_spec = list(jd.buffers_spec)
-            self.fn = aot_compile_joint_with_descriptors(
+            self.fn = aot_compile_joint(
                 jd, partition_fn=self._partition, fw_compiler=fw_comp, bw_compiler=bw_comp
             )
 
@@ -458,12 +387,12 @@ class ScheduledStep:
         return fw, bw
 
     def __call__(self, model: nn.Module, args: tuple, kwargs: dict) -> Any:
-        flat, _ = pytree.tree_flatten((args, kwargs))
+        flat, _ = tree_flatten((args, kwargs))
         user = [flat[i] for i in self.info.input_indices]
         params = [model.get_parameter(_fqn(n)) for n in self.params_spec]
         buffers = [model.get_buffer(_fqn(n)) for n in self.buffers_spec]
         out = self.fn(*params, *buffers, *user)
-        return pytree.tree_unflatten(list(out), self.info.out_spec)
+        return tree_unflatten(list(out), self.info.out_spec)
 
 
 def _fqn(name: str) -> str:
@@ -478,7 +407,7 @@ def input_signature(args: tuple, kwargs: dict) -> tuple:
     >>> input_signature((torch.ones(2, 3),), {}) == input_signature((torch.zeros(2, 3),), {})
     True
     """
-    flat, spec = pytree.tree_flatten((args, kwargs))
+    flat, spec = tree_flatten((args, kwargs))
     leaves = []
     for t in flat:
         if isinstance(t, torch.Tensor):

@@ -29,8 +29,8 @@ import weakref
 from typing import Any, Iterable
 
 import torch
-from torch.utils._python_dispatch import TorchDispatchMode
-from torch.utils._pytree import tree_leaves
+
+from graphs.torch_internals import TorchDispatchMode, tree_leaves
 
 __all__ = ["MemoryTracker", "SavedTensorCounter", "measure_peak"]
 

@@ -36,6 +36,7 @@ import torch.fx as fx
 
 from graphs.capture import is_random_op
 from graphs.errors import RematError
+from graphs.torch_internals import boxed_codegen, fake_value, is_op_overload, op_schema
 
 __all__ = ["RewriteError", "partition_by_schedule", "boxed", "rng_state_bytes", "replay_random_ops"]
 
@@ -133,7 +134,7 @@ def _device_of(node: fx.Node) -> torch.device:
 def boxed(gm: fx.GraphModule) -> fx.GraphModule:
     """Switch ``gm`` to the boxed calling convention (inputs as one list that the graph
     clears, so each input is freed after its last use)."""
-    gm.graph.set_codegen(fx.graph._BoxedCodeGen())
+    gm.graph.set_codegen(boxed_codegen())
     gm.recompile()
     return gm
 
@@ -230,7 +231,7 @@ def partition_by_schedule(
             key, dev = _RNG_KEY + s, _device_of(node)
             if not runs_so_far.get(s):
                 env[key] = g.call_function(_rng_state, (dev,))
-                env[key].meta["val"] = _rng_state(dev)
+                env[key].meta["val"] = fake_value(_rng_state(dev), like=placeholders)
                 new = _emit(g, node, env, scheduled, resolve)
             else:
                 prev = g.call_function(_rng_swap, (env[key] if key in env else saved_state(key), dev))
@@ -418,11 +419,11 @@ def _is_view(node: fx.Node) -> bool:
     target = node.target
     if node.op == "call_function" and target is operator.getitem and isinstance(node.args[0], fx.Node):
         return _is_view(node.args[0])  # a piece of split / unbind / chunk
-    if node.op != "call_function" or not isinstance(target, torch._ops.OpOverload):
+    if node.op != "call_function" or not is_op_overload(target):
         return False
     if target.overloadpacket.__name__ in _UNDECLARED_VIEWS:
         return True
-    returns = target._schema.returns
+    returns = op_schema(target).returns
     return bool(returns) and all(
         r.alias_info is not None and not r.alias_info.is_write for r in returns
     )

@@ -1,0 +1,333 @@
+"""The one seam between remat and torch's private internals.
+
+Capture and graph mode need pieces of torch that are not a stable API: AOTAutograd's
+joint export and partitioned runtime, fake tensors, inductor's inner compiler and the
+globals of its generated code, Python kernels at dispatch keys, fx's boxed code
+generation, pytree and the dispatch-mode base class. They change between torch releases
+(torch 2.14 began to require a fake tensor in ``meta["val"]`` of every value a forward
+graph saves for backward), so every use of them is here, and nowhere else in ``graphs``
+or ``solver``; ``tests/test_torch_seam.py`` holds the other modules to that.
+
+Importing this module checks the torch version against :data:`SUPPORTED`: outside that
+range it raises :class:`UnsupportedTorch`, which names the range and the version found,
+instead of an assertion from deep inside AOTAutograd later. Setting the environment
+variable ``REMAT_ALLOW_UNTESTED_TORCH=1`` turns the error into a warning, for trying a
+newer torch at one's own risk.
+
+Examples
+--------
+>>> supported_range()
+'2.13-2.14'
+>>> check_torch_version("2.14.1+cpu") is None
+True
+"""
+
+from __future__ import annotations
+
+import contextlib
+import functools
+import os
+import re
+import warnings
+from typing import Any, Callable, Iterable, Iterator, Sequence
+
+import torch
+import torch.fx as fx
+
+from graphs.errors import RematError
+
+__all__ = [
+    "SUPPORTED", "UnsupportedTorch", "check_torch_version", "supported_range",
+    # pytree and dispatch modes
+    "tree_flatten", "tree_unflatten", "tree_leaves", "TorchDispatchMode",
+    # ops
+    "OpOverload", "is_op_overload", "op_schema", "override_python_kernels", "drop_python_kernels",
+    # fake tensors
+    "FakeTensorMode", "is_fake", "detect_fake_mode", "fake_value",
+    # AOTAutograd
+    "aot_export_joint", "aot_compile_joint", "boxed_codegen",
+    # inductor
+    "inductor_compile", "inductor_decompositions", "functorch_config",
+    # storages and DTensor
+    "storage_key", "local_tensor",
+]
+
+#: the torch minor versions remat is tested on (both ends run in CI)
+SUPPORTED: tuple[tuple[int, int], tuple[int, int]] = ((2, 13), (2, 14))
+
+_ALLOW_ENV = "REMAT_ALLOW_UNTESTED_TORCH"
+
+
+class UnsupportedTorch(RematError, ImportError):
+    """The installed torch is outside the range remat supports."""
+
+
+def supported_range() -> str:
+    """The supported torch versions, as ``"A-B"``."""
+    (a, b), (c, d) = SUPPORTED
+    return f"{a}.{b}-{c}.{d}"
+
+
+def _minor(version: str) -> tuple[int, int] | None:
+    m = re.match(r"(\d+)\.(\d+)", version)
+    return (int(m.group(1)), int(m.group(2))) if m else None
+
+
+def check_torch_version(version: str | None = None) -> None:
+    """Raise :class:`UnsupportedTorch` when ``version`` (default: the installed torch) is
+    outside :data:`SUPPORTED`; with ``REMAT_ALLOW_UNTESTED_TORCH=1``, warn instead.
+
+    Examples
+    --------
+    >>> check_torch_version("2.13.0")
+    >>> check_torch_version("2.9.1")
+    Traceback (most recent call last):
+    ...
+    graphs.torch_internals.UnsupportedTorch: remat supports torch 2.13-2.14; this is 2.9.1. Install a supported one (pip install "torch>=2.13,<2.15"), or set REMAT_ALLOW_UNTESTED_TORCH=1 to try this one at your own risk.
+    """
+    version = version or torch.__version__
+    minor = _minor(version)
+    if minor is not None and SUPPORTED[0] <= minor <= SUPPORTED[1]:
+        return None
+    msg = (f"remat supports torch {supported_range()}; this is {version}. Install a supported one "
+           f'(pip install "torch>={SUPPORTED[0][0]}.{SUPPORTED[0][1]},<{SUPPORTED[1][0]}.{SUPPORTED[1][1] + 1}"), '
+           f"or set {_ALLOW_ENV}=1 to try this one at your own risk.")
+    if os.environ.get(_ALLOW_ENV, "") not in ("", "0"):
+        warnings.warn(msg, stacklevel=2)
+        return None
+    raise UnsupportedTorch(msg)
+
+
+check_torch_version()
+
+# ---------------------------------------------------------------- pytree, dispatch modes
+from torch.utils._pytree import tree_flatten, tree_leaves, tree_unflatten  # noqa: E402
+from torch.utils._python_dispatch import TorchDispatchMode  # noqa: E402
+
+# ---------------------------------------------------------------- ops
+OpOverload = torch._ops.OpOverload
+
+
+def is_op_overload(target: Any) -> bool:
+    """Is ``target`` an ATen/prim op overload (``torch.ops.aten.mm.default``...)?
+
+    Examples
+    --------
+    >>> is_op_overload(torch.ops.aten.mm.default), is_op_overload(len)
+    (True, False)
+    """
+    return isinstance(target, OpOverload)
+
+
+def op_schema(op: OpOverload) -> Any:
+    """``op``'s schema: ``arguments`` and ``returns``, each with ``alias_info``.
+
+    Examples
+    --------
+    >>> [r.alias_info is not None for r in op_schema(torch.ops.aten.view.default).returns]
+    [True]
+    """
+    return op._schema
+
+
+def _dispatch_keys() -> tuple:
+    from torch._C import DispatchKey
+
+    return (DispatchKey.CompositeImplicitAutograd, DispatchKey.Autograd)
+
+
+@contextlib.contextmanager
+def override_python_kernels(replace: dict[OpOverload, Callable]) -> Iterator[None]:
+    """Route each op of ``replace`` to its function at the composite and autograd keys,
+    for code traced under the Python dispatcher (ops that composite kernels call
+    internally included); put everything back on exit."""
+    saved = []
+    try:
+        for op, fn in replace.items():
+            for key in _dispatch_keys():
+                saved.append((op, key, op.py_kernels.get(key)))
+                op.py_kernels[key] = fn
+            op._dispatch_cache.clear()
+        yield
+    finally:
+        for op, key, fn in saved:
+            if fn is None:
+                op.py_kernels.pop(key, None)
+            else:
+                op.py_kernels[key] = fn
+            op._dispatch_cache.clear()
+
+
+@contextlib.contextmanager
+def drop_python_kernels(ops: Iterable[OpOverload]) -> Iterator[None]:
+    """Remove the Python kernels (decompositions) registered for ``ops`` at the
+    composite and autograd keys, so that tracing keeps the native op and its autograd
+    formula; put them back on exit."""
+    removed = []
+    for op in ops:
+        for key in _dispatch_keys():
+            if key in op.py_kernels:
+                removed.append((op, key, op.py_kernels.pop(key)))
+        op._dispatch_cache.clear()
+    try:
+        yield
+    finally:
+        for op, key, fn in removed:
+            op.py_kernels[key] = fn
+            op._dispatch_cache.clear()
+
+
+# ---------------------------------------------------------------- fake tensors
+from torch._subclasses.fake_tensor import FakeTensor, FakeTensorMode  # noqa: E402
+
+
+def is_fake(t: Any) -> bool:
+    """Is ``t`` a fake tensor (metadata only, nothing allocated)?"""
+    return isinstance(t, FakeTensor)
+
+
+def fake_mode_of(t: Any) -> Any:
+    """The fake mode a fake tensor belongs to (None for anything else)."""
+    return t.fake_mode if isinstance(t, FakeTensor) else None
+
+
+def detect_fake_mode(values: Sequence[Any]) -> Any:
+    """The fake mode of the fake tensors among ``values`` (or the active one), or None."""
+    return torch._guards.detect_fake_mode(list(values))
+
+
+def fake_value(real: torch.Tensor, *, like: Iterable[fx.Node]) -> torch.Tensor:
+    """A fake copy of ``real`` in the fake mode of the graph that ``like`` belongs to,
+    for the ``meta["val"]`` of a node that a rewrite adds (AOTAutograd counts a saved
+    value as a tensor only when its ``meta["val"]`` is fake)."""
+    mode = detect_fake_mode([n.meta.get("val") for n in like])
+    if mode is None:
+        mode = FakeTensorMode(allow_non_fake_inputs=True)
+    return mode.from_tensor(real)
+
+
+# ---------------------------------------------------------------- AOTAutograd
+def aot_export_joint(stack: contextlib.ExitStack, module: torch.nn.Module, args: tuple) -> Any:
+    """AOTAutograd's joint forward+backward export of ``module`` (a
+    ``JointWithDescriptors``), alive while ``stack`` is open."""
+    from torch._functorch.aot_autograd import aot_export_joint_with_descriptors
+
+    return aot_export_joint_with_descriptors(stack, module, args)
+
+
+def aot_compile_joint(joint: Any, *, partition_fn: Callable, fw_compiler: Callable,
+                      bw_compiler: Callable) -> Callable:
+    """The runnable autograd function of an exported joint graph, cut by ``partition_fn``
+    (call it after the export's stack has closed)."""
+    from torch._functorch.aot_autograd import aot_compile_joint_with_descriptors
+
+    return aot_compile_joint_with_descriptors(joint, partition_fn=partition_fn,
+                                              fw_compiler=fw_compiler, bw_compiler=bw_compiler)
+
+
+def boxed_codegen() -> Any:
+    """fx code generation for the boxed calling convention (inputs as one list that the
+    graph clears, so each input is freed after its last use)."""
+    return fx.graph._BoxedCodeGen()
+
+
+def functorch_config() -> Any:
+    """AOTAutograd's configuration module (``activation_memory_budget``...)."""
+    import torch._functorch.config as config
+
+    return config
+
+
+# ---------------------------------------------------------------- inductor
+def inductor_decompositions() -> dict:
+    """Inductor's decomposition table."""
+    from torch._inductor.decomposition import select_decomp_table
+
+    return select_decomp_table()
+
+
+def inductor_compile(gm: fx.GraphModule, example_inputs: Sequence, *, is_backward: bool,
+                     segment: bool = False) -> Callable:
+    """Decompose ``gm`` for inductor and compile it (boxed calling convention), with
+    every buffer of the generated code allocated through the dispatcher.
+
+    Random ops left after decomposition draw from the global generator, as in eager. A
+    ``segment`` (a piece of a larger graph) compiles outside AOTAutograd's tracing
+    context, which describes the whole graph's outputs, keeps its outputs' strides, and
+    makes no copies into another layout (it allocates what its fx ops make).
+    """
+    from torch._inductor import compile_fx as inductor_fx
+    from torch._inductor import config as inductor_config
+    from torch._inductor.virtualized import V
+    from torch.fx.experimental.proxy_tensor import make_fx
+
+    fake_mode = detect_fake_mode(example_inputs)
+    with contextlib.ExitStack() as stack:
+        if fake_mode is not None:
+            stack.enter_context(fake_mode)
+        lowered = make_fx(gm, decomposition_table=inductor_decompositions())(*example_inputs)
+    if segment:  # the next segment, or an eager op, reads these with the strides fx recorded
+        out = lowered.graph.output_node()
+        out.meta["user_visible_output_idxs"] = list(range(len(out.args[0])))
+    with contextlib.ExitStack() as stack:
+        if fake_mode is not None:
+            stack.enter_context(V.set_fake_mode(fake_mode))
+        if segment:
+            stack.enter_context(torch._guards.tracing(None))
+        stack.enter_context(inductor_config.patch(fallback_random=True))
+        if segment:
+            stack.enter_context(inductor_config.patch(layout_optimization=False))
+        compiled = inductor_fx.compile_fx_inner(lowered, example_inputs, is_backward=is_backward)
+    _allocate_through_dispatcher(compiled)
+    return compiled
+
+
+def _empty_strided(size: Sequence[int], stride: Sequence[int], dtype: torch.dtype, *, device: str) -> torch.Tensor:
+    return torch.empty_strided(size, stride, dtype=dtype, device=device)
+
+
+def _generated_namespace(fn: Any, depth: int = 4) -> dict | None:
+    """The globals of inductor's generated module behind ``fn``, looking through the
+    wrappers inductor may put around it (input alignment: a closure over the call)."""
+    namespace = getattr(fn, "__globals__", None)
+    if namespace is not None and any(k.startswith("empty_strided_") for k in namespace):
+        return namespace
+    if depth == 0:
+        return None
+    inner = [getattr(fn, "__wrapped__", None), getattr(fn, "__func__", None)]
+    inner += [c.cell_contents for c in (getattr(fn, "__closure__", None) or ()) if callable(c.cell_contents)]
+    for candidate in inner:
+        if candidate is not None:
+            found = _generated_namespace(candidate, depth - 1)
+            if found is not None:
+                return found
+    return None
+
+
+def _allocate_through_dispatcher(compiled: Any) -> None:
+    """Make the buffers of inductor's generated code ordinary ``torch.empty_strided``
+    calls, so that a dispatch mode sees every tensor of a compiled step. Inductor's code
+    allocates through a direct C++ binding otherwise; the cost is one dispatcher call
+    per buffer."""
+    namespace = _generated_namespace(getattr(compiled, "current_callable", None))
+    if namespace is None:
+        raise RematError("compiler='inductor': found no generated Python module behind a compiled graph "
+                         "(is inductor's C++ wrapper on?), so its memory could not be measured; "
+                         "use compiler='eager'")
+    for device in ("cpu", "cuda", "xpu"):
+        if f"empty_strided_{device}" in namespace:
+            namespace[f"empty_strided_{device}"] = functools.partial(_empty_strided, device=device)
+
+
+# ---------------------------------------------------------------- storages, DTensor
+def storage_key(storage: Any) -> int:
+    """A key that tells storages apart (two tensors that share a storage share its key,
+    empty storages included)."""
+    return storage._cdata
+
+
+def local_tensor(t: torch.Tensor) -> torch.Tensor:
+    """The shard a DTensor holds on this rank, without autograd (``t`` itself otherwise)."""
+    from torch.distributed.tensor import DTensor
+
+    return t._local_tensor if isinstance(t, DTensor) else t
