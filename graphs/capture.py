@@ -509,13 +509,43 @@ def capture(
     return cg
 
 
+def _memory_order(t: torch.Tensor) -> list[int] | None:
+    """The dims of ``t`` from outermost to innermost in memory, when ``t`` is dense and
+    not contiguous (``empty_like`` then keeps its strides); None otherwise."""
+    if t.is_contiguous():
+        return None
+    order = sorted(range(t.dim()), key=lambda d: -t.stride(d))
+    expected = 1
+    for d in reversed(order):
+        if t.shape[d] != 1 and t.stride(d) != expected:
+            return None  # gaps or overlaps: empty_like makes a contiguous tensor
+        expected *= t.shape[d]
+    return order
+
+
+def _eager_noise(input: torch.Tensor, keep: float) -> torch.Tensor:
+    """``torch.empty_like(input).bernoulli_(keep)``, as a traced graph draws it.
+
+    Eager fills the noise in the memory order of ``input``'s strides. In the graph the
+    in-place draw becomes the out-of-place ``bernoulli``, which fills a contiguous
+    tensor: for a permuted input (a transposed attention output) the same draws would
+    land on other elements. So the noise is drawn contiguous in memory order and
+    permuted back.
+    """
+    order = _memory_order(input)
+    if order is None:
+        return torch.empty_like(input).bernoulli_(keep)
+    noise = torch.empty([input.shape[d] for d in order], dtype=input.dtype, device=input.device).bernoulli_(keep)
+    return noise.permute([order.index(d) for d in range(input.dim())])
+
+
 def _eager_cpu_dropout(input: torch.Tensor, p: float, train: bool | None) -> torch.Tensor:
     # what eager dropout does on CPU: a float noise tensor, scaled, then multiplied
     if not train or p == 0:
         return input
     if p == 1:
         return input * torch.zeros_like(input)
-    noise = torch.empty_like(input).bernoulli_(1 - p).div_(1 - p)
+    noise = _eager_noise(input, 1 - p).div_(1 - p)
     return input * noise
 
 
