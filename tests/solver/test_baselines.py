@@ -12,7 +12,7 @@ from solver import InfeasibleBudget, NoScheduleFound, simulate, solve
 from solver.feasibility import peak_lower_bound
 from solver.plans import forward_stages
 from solver.synthetic import chain, random_training_graph, training_chain
-from tests.paths import BENCHMARK_GRAPHS
+from tests.paths import BENCHMARK_GRAPHS, needs_benchmark_graphs
 
 MINE = ["checkpoint_all", "every_k", "chen_sqrt", "chen_greedy", "revolve", "chain_dp"]
 
@@ -85,6 +85,7 @@ INFEASIBLE = {("VGG16_256_224_224_3_train", 0.8)}
 
 
 @pytest.mark.slow
+@needs_benchmark_graphs
 @pytest.mark.parametrize("path", sorted(glob.glob(str(BENCHMARK_GRAPHS / "*.json"))))
 def test_benchmark_graphs(path):
     g = ComputeGraph.load(path)

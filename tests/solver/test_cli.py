@@ -10,7 +10,7 @@ from pathlib import Path
 import pytest
 
 from solver.cli import main
-from tests.paths import BENCHMARK_GRAPHS
+from tests.paths import BENCHMARK_GRAPHS, needs_benchmark_graphs
 
 GRAPHS = BENCHMARK_GRAPHS
 VGG = GRAPHS / "VGG16_256_224_224_3_train.json"
@@ -73,7 +73,7 @@ def test_plan_factory_file_uses_captured_graph(capsys, tmp_path):
     (["plan", "gpt2", "--gpu-gb", "0.01", "--seq", "1024"], "infeasible"),
     (["plan", "/nonexistent/model.py:make", "--gpu-gb", "8"], "no such file"),
     (["solve", "/nonexistent/graph.json", "--budget", "1GB"], "no such graph file"),
-    (["solve", str(VGG), "--budget", "lots"], "cannot read budget"),
+    pytest.param(["solve", str(VGG), "--budget", "lots"], "cannot read budget", marks=needs_benchmark_graphs),
 ])
 def test_errors_are_one_line(capsys, argv, needle):
     rc, out, err = run(capsys, argv)
@@ -82,7 +82,7 @@ def test_errors_are_one_line(capsys, argv, needle):
     assert len(lines) == 1 and needle in lines[0] and "Traceback" not in err
 
 
-@pytest.mark.skipif(not VGG.exists(), reason="benchmark graphs not present")
+@needs_benchmark_graphs
 def test_solve_sweep_show_on_benchmark_graph(capsys, tmp_path):
     pytest.importorskip("matplotlib")
     rc, out, err = run(capsys, ["solve", str(VGG), "--budget", "0.9x", "--method", "eviction", "--json"])

@@ -1,6 +1,5 @@
 """Tests of the eviction heuristic and the memory-aware order search."""
 
-import pathlib
 
 import pytest
 from hypothesis import HealthCheck, given, settings, strategies as st
@@ -16,9 +15,10 @@ from solver.methods.eviction import (
     min_memory_order,
     order_peak,
 )
+from tests.paths import BENCHMARK_GRAPHS, needs_benchmark_graphs
 from solver.synthetic import random_dag, random_training_graph, training_chain
 
-BENCH = pathlib.Path(__file__).resolve().parents[3] / "shared" / "benchmarks" / "graphs"
+BENCH = BENCHMARK_GRAPHS
 
 
 def _budget(g, frac):
@@ -110,7 +110,7 @@ def test_no_schedule_raises():
         assert "order_search" in str(exc)
 
 
-@pytest.mark.skipif(not (BENCH / "VGG16_256_224_224_3_train.json").exists(), reason="benchmark graphs not present")
+@needs_benchmark_graphs
 def test_vgg16_at_090_within_budget():
     g = ComputeGraph.load(BENCH / "VGG16_256_224_224_3_train.json")
     budget = int(0.9 * solver.simulate(g, g.order).peak_bytes)

@@ -1,6 +1,5 @@
 """Tests of the smallest feasible peak and of InfeasibleBudget."""
 
-import pathlib
 
 import pytest
 from hypothesis import HealthCheck, given, settings, strategies as st
@@ -10,9 +9,10 @@ from graphs import ComputeGraph
 from solver.methods.bruteforce import brute_force_min_peak
 from solver.methods.eviction import IndexedGraph
 from solver.methods.minpeak import min_peak_sequence, smallest_feasible_peak
+from tests.paths import BENCHMARK_GRAPHS, needs_benchmark_graphs
 from solver.synthetic import random_training_graph, training_chain
 
-BENCH = pathlib.Path(__file__).resolve().parents[3] / "shared" / "benchmarks" / "graphs"
+BENCH = BENCHMARK_GRAPHS
 
 
 @settings(max_examples=25, deadline=None, suppress_health_check=[HealthCheck.too_slow])
@@ -51,7 +51,7 @@ def test_infeasible_budget_reports_achievable_budget(n, seed):
     assert solver.simulate(g, s).peak_bytes <= info.value.smallest_feasible_bytes
 
 
-@pytest.mark.skipif(not (BENCH / "VGG16_256_224_224_3_train.json").exists(), reason="benchmark graphs not present")
+@needs_benchmark_graphs
 def test_vgg16_smallest_peak_and_culprit():
     g = ComputeGraph.load(BENCH / "VGG16_256_224_224_3_train.json")
     top = solver.simulate(g, g.order).peak_bytes
