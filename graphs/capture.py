@@ -40,6 +40,7 @@ import torch.fx
 import torch.fx.traceback as fx_traceback
 
 from graphs import costs
+from graphs.autocast import autocast_as, autocast_state, no_autocast
 from graphs.compute_graph import BACKWARD_START, ComputeGraph
 from graphs.errors import CaptureError
 from graphs.hardware import Hardware, get_hardware
@@ -154,6 +155,9 @@ class CaptureInfo:
     backward : str
         ``"loss"`` (the step ends with the loss) or ``"outputs"`` (it returns the
         model's flat outputs; backward starts from their gradients).
+    autocast : tuple
+        The autocast state of the capture (:func:`graphs.autocast.autocast_state`): the
+        joint graph is traced under it and holds its casts.
     """
 
     step: torch.nn.Module
@@ -165,6 +169,7 @@ class CaptureInfo:
     in_spec: Any = None
     out_spec: Any = None
     backward: str = "loss"
+    autocast: tuple = ()
 
     def export_joint(self, stack: contextlib.ExitStack) -> Any:
         """Export the joint graph again (same node names) inside ``stack``.
@@ -172,12 +177,14 @@ class CaptureInfo:
         Pass the result to ``aot_compile_joint_with_descriptors(..., partition_fn=...)``
         before the stack closes; call the compiled function after.
         """
-        return _export_joint(stack, self.step, self.flat_inputs, self.fake_mode)
+        return _export_joint(stack, self.step, self.flat_inputs, self.fake_mode, self.autocast)
 
 
-def _export_joint(stack: contextlib.ExitStack, step: torch.nn.Module, flat_inputs: list, fake_mode: Any) -> Any:
+def _export_joint(stack: contextlib.ExitStack, step: torch.nn.Module, flat_inputs: list, fake_mode: Any,
+                  amp: tuple = ()) -> Any:
     """AOTAutograd's joint forward+backward export of ``step``, inside ``stack``."""
     stack.enter_context(fx_traceback.preserve_node_meta())
+    stack.enter_context(autocast_as(amp))  # the joint graph then holds autocast's casts
     if fake_mode is not None:
         stack.enter_context(fake_mode)
     stack.enter_context(_native_upsampling())
@@ -442,6 +449,7 @@ def capture(
 
     fake_mode = None
     work_model = model
+    amp = autocast_state()
     flat_in, in_spec = tree_flatten((args, kwargs))
     if not real:
         fake_mode = FakeTensorMode(allow_non_fake_inputs=True)
@@ -476,7 +484,7 @@ def capture(
     # 2. the joint forward+backward graph
     try:
         with contextlib.ExitStack() as stack:
-            joint = _export_joint(stack, step, user_flat, fake_mode)
+            joint = _export_joint(stack, step, user_flat, fake_mode, amp)
             gm = joint.graph_module
     except CaptureError:
         raise
@@ -492,7 +500,10 @@ def capture(
     placeholders = [n for n in gm.graph.nodes if n.op == "placeholder"]
     if measure_time:
         values = _real_placeholder_values(placeholders, step, user_flat)
-        costs.annotate_measured_time(gm, values, repeats=repeats)
+        cuda = sorted({t.device.index or 0 for t in tensors + state if t.device.type == "cuda"})
+        # timing runs the random ops too: the generators end as they were
+        with no_autocast(), torch.random.fork_rng(devices=cuda):
+            costs.annotate_measured_time(gm, values, repeats=repeats)
     else:
         costs.annotate_roofline_time(gm, hw)
 
@@ -501,11 +512,12 @@ def capture(
         "captured_with": "torch.export(strict=False) + aot_export_joint_with_descriptors",
         "time_source": "measured" if measure_time else f"roofline:{hw.name}",
         "torch": torch.__version__,
+        "autocast": [f"{device}:{dtype}".replace("torch.", "") for device, dtype in amp],
     })
     cg.fx = gm
     cg.capture_info = CaptureInfo(step=step, flat_inputs=user_flat, fake_mode=fake_mode, joint=joint, real=real,
                                   input_indices=input_indices, in_spec=in_spec, out_spec=out_spec,
-                                  backward=backward)
+                                  backward=backward, autocast=amp)
     return cg
 
 

@@ -33,6 +33,7 @@ from typing import Any, Callable, Hashable, Sequence
 import torch
 from torch import nn
 
+from graphs.autocast import autocast_state, no_autocast
 from graphs.capture import is_random_op
 from graphs.compute_graph import BACKWARD_START, ComputeGraph
 from graphs.costs import _tensor_storage_bytes, annotate_storage
@@ -391,7 +392,8 @@ class ScheduledStep:
         user = [flat[i] for i in self.info.input_indices]
         params = [model.get_parameter(_fqn(n)) for n in self.params_spec]
         buffers = [model.get_buffer(_fqn(n)) for n in self.buffers_spec]
-        out = self.fn(*params, *buffers, *user)
+        with no_autocast():  # the graphs hold the casts of the autocast state they were captured in
+            out = self.fn(*params, *buffers, *user)
         return tree_unflatten(list(out), self.info.out_spec)
 
 
@@ -400,7 +402,8 @@ def _fqn(name: str) -> str:
 
 
 def input_signature(args: tuple, kwargs: dict) -> tuple:
-    """A hashable key of the inputs' structure, shapes, dtypes and devices.
+    """A hashable key of the inputs' structure, shapes, dtypes and devices, and of the
+    autocast state (a plan captured under autocast holds its casts).
 
     Examples
     --------
@@ -414,7 +417,7 @@ def input_signature(args: tuple, kwargs: dict) -> tuple:
             leaves.append(("T", tuple(t.shape), t.dtype, t.device.type, t.requires_grad))
         else:
             leaves.append(("V", repr(t)))
-    return (str(spec), tuple(leaves))
+    return (str(spec), tuple(leaves), autocast_state())
 
 
 Planner = Callable[[nn.Module, tuple, dict], Any]

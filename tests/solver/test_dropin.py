@@ -1,0 +1,160 @@
+"""The module optimize() returns is a drop-in for the model, as users call it: under
+autocast, with torch's own layers and dropout, with a loss written outside the model."""
+
+from __future__ import annotations
+
+import copy
+
+import pytest
+import torch
+from torch import nn
+
+import solver
+from examples import models
+from graphs.capture import capture
+from graphs.units import GiB
+from solver import simulate
+
+AUTOCAST = dict(device_type="cpu", dtype=torch.bfloat16)
+
+
+def _call(model, inputs):
+    return model(**inputs) if isinstance(inputs, dict) else model(*inputs)
+
+
+def _loss(out):
+    if isinstance(out, torch.Tensor) and out.dim() == 0:
+        return out
+    if hasattr(out, "loss") and out.loss is not None:
+        return out.loss
+    logits = out.logits if hasattr(out, "logits") else out
+    return logits.float().square().mean()  # a loss outside the model
+
+
+def _store_all(model, inputs):
+    cg = capture(model, inputs, backward="outputs", measure_time=False, inplace="functional")
+    return simulate(cg, cg.order).peak_bytes
+
+
+def _steps(model, inputs, *, n=2, amp=False):
+    """Loss and gradients of ``n`` steps (SGD between them), seeded alike."""
+    opt = torch.optim.SGD(model.parameters(), lr=1e-2)
+    out = []
+    for step in range(n):
+        torch.manual_seed(100 + step)
+        with torch.autocast(**AUTOCAST, enabled=amp):
+            loss = _loss(_call(model, inputs))
+        loss.backward()
+        out.append((loss.detach(), [None if p.grad is None else p.grad.clone() for p in model.parameters()]))
+        opt.step()
+        opt.zero_grad()
+    return out
+
+
+def _equal(a, b):
+    return (a is None and b is None) or (a is not None and b is not None and torch.equal(a, b))
+
+
+def _assert_same(got, want, twice, *, bf16=False):
+    """``got`` equals ``want`` bitwise where the original itself is deterministic (``twice``:
+    a second run of it; CPU embedding backward may reduce in another order), else closely;
+    ``bf16``: in norm, within bfloat16's rounding (its epsilon is 2**-7)."""
+    def close(a, b):
+        if bf16:
+            return bool((a.float() - b.float()).norm() <= 2 ** -7 * b.float().norm())
+        return torch.allclose(a, b, rtol=1e-4, atol=1e-6)
+
+    for (lg, gg), (lw, gw), (lt, gt) in zip(got, want, twice):
+        exact = not bf16 and torch.equal(lw, lt) and all(_equal(a, b) for a, b in zip(gw, gt))
+        same = _equal if exact else (lambda a, b: _equal(a, b) or close(a, b))
+        assert same(lg, lw), (lg.item(), lw.item(), exact)
+        for a, b in zip(gg, gw):
+            assert same(a, b), exact
+
+
+class EncoderStack(nn.Module):
+    """torch's own encoder layers with dropout and a causal mask, as people write it."""
+
+    def __init__(self, d: int = 32, heads: int = 4, layers: int = 3, dropout: float = 0.1) -> None:
+        super().__init__()
+        self.embed = nn.Linear(d, d)
+        self.layers = nn.ModuleList(
+            nn.TransformerEncoderLayer(d, heads, 4 * d, dropout=dropout, batch_first=True, norm_first=True)
+            for _ in range(layers))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        mask = nn.Transformer.generate_square_subsequent_mask(x.shape[1])
+        x = self.embed(x)
+        for layer in self.layers:
+            x = layer(x, src_mask=mask, is_causal=True)
+        return x
+
+
+def _encoder():
+    torch.manual_seed(0)
+    return EncoderStack().train(), (torch.randn(8, 32, 32),)
+
+
+ZOO = {
+    "gpt": lambda: models.gpt(n_layer=3, d=64, seq=64, batch=8),
+    "hf_llama": lambda: models.hf_llama(n_layer=2, d=64, seq=64, batch=4),
+    "encoder": _encoder,
+}
+
+
+def _check(name, frac, mode, *, amp_at_optimize, amp_in_training, bf16=False):
+    model, inputs = ZOO[name]()
+    ref, ref2 = copy.deepcopy(model), copy.deepcopy(model)
+    with torch.autocast(**AUTOCAST, enabled=amp_at_optimize):
+        budget = frac * _store_all(model, inputs)
+        fast = solver.optimize(model, budget / GiB, inputs, mode=mode, measure_time=False)
+    _assert_same(*(_steps(m, inputs, amp=amp_in_training) for m in (fast, ref, ref2)), bf16=bf16)
+    return fast
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("name,mode", [
+    ("gpt", "graph"), ("gpt", "module"), ("hf_llama", "graph"),
+    pytest.param("hf_llama", "module", marks=pytest.mark.xfail(
+        strict=True, reason="selective checkpointing of HF Llama under autocast: torch's SAC finds a cast "
+                            "on recomputation that the forward did not run (autocast's weight-cast cache)")),
+])
+def test_autocast_in_training_matches_eager_autocast_bitwise(name, mode):
+    # planned in float32, trained under bf16 autocast: a plan is made for the autocast state.
+    # The GPT's attention dropout takes SDPA's math path, whose captured backward rounds
+    # differently in bfloat16 from eager's: there the match is to bfloat16's rounding.
+    fast = _check(name, 0.7, mode, amp_at_optimize=False, amp_in_training=True,
+                  bf16=name == "gpt" and mode == "graph")
+    if mode == "graph":
+        assert len(fast.remat_steps) == 2  # one plan per autocast state
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("frac", [0.7, 0.5])
+def test_planned_and_trained_under_autocast(frac):
+    _check("hf_llama", frac, "graph", amp_at_optimize=True, amp_in_training=True)
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("mode", ["graph", "module"])
+@pytest.mark.parametrize("frac", [0.7, 0.5])
+def test_torch_encoder_layers_with_dropout_match_eager_bitwise(frac, mode):
+    _check("encoder", frac, mode, amp_at_optimize=False, amp_in_training=False)
+
+
+def test_capture_records_the_autocast_state():
+    model, inputs = models.mlp(batch=4, d_in=8, hidden=16, depth=2)
+    with torch.autocast(**AUTOCAST):
+        cg = capture(model, inputs, measure_time=False)
+    assert cg.meta["autocast"] == ["cpu:bfloat16"]
+    assert cg.capture_info.autocast == (("cpu", torch.bfloat16),)
+    assert any(cg[v]["op"] == "aten._to_copy.default" for v in cg.ops)  # autocast's casts are in the graph
+    assert capture(model, inputs, measure_time=False).meta["autocast"] == []
+
+
+def test_capture_leaves_the_generator_as_it_found_it():
+    model, inputs = models.gpt(n_layer=1, d=32, seq=16, batch=2)  # dropout: timing draws numbers
+    torch.manual_seed(5)
+    before = torch.get_rng_state()
+    capture(model, inputs, measure_time=True, repeats=1)
+    assert torch.equal(torch.get_rng_state(), before)
