@@ -103,7 +103,7 @@ ZOO = {
 
 
 def _check(name, frac, mode, *, amp_at_optimize, amp_in_training, bf16=False):
-    model, inputs = ZOO[name]()
+    model, inputs = (ZOO[name] if isinstance(name, str) else name)()
     ref, ref2 = copy.deepcopy(model), copy.deepcopy(model)
     with torch.autocast(**AUTOCAST, enabled=amp_at_optimize):
         budget = frac * _store_all(model, inputs)
@@ -158,3 +158,20 @@ def test_capture_leaves_the_generator_as_it_found_it():
     before = torch.get_rng_state()
     capture(model, inputs, measure_time=True, repeats=1)
     assert torch.equal(torch.get_rng_state(), before)
+
+
+def _bf16_llama():
+    model, inputs = ZOO["hf_llama"]()
+    return model.to(torch.bfloat16), inputs
+
+
+def _logits_llama():
+    model, inputs = ZOO["hf_llama"]()
+    return model, {"input_ids": inputs["input_ids"]}  # no labels: the loss is the caller's
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("make", [_bf16_llama, _logits_llama], ids=["bf16-weights", "logits-only"])
+@pytest.mark.parametrize("frac", [0.7, 0.5])
+def test_hf_llama_in_bf16_and_without_labels(make, frac):
+    _check(make, frac, "graph", amp_at_optimize=False, amp_in_training=False)
