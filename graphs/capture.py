@@ -366,6 +366,7 @@ def capture(
     model: torch.nn.Module,
     example_inputs: tuple | dict,
     *,
+    example_kwargs: dict | None = None,
     loss_fn: Callable[[Any], torch.Tensor] | None = None,
     backward: str = "loss",
     inplace: str = "alias",
@@ -383,6 +384,9 @@ def capture(
         tensors (``with torch.device("meta"): model = ...`` plans without allocating).
     example_inputs : tuple or dict
         Positional arguments, or keyword arguments, of ``model``.
+    example_kwargs : dict, optional
+        Keyword arguments that follow positional ``example_inputs``, as in
+        ``model(ids, labels=labels)``.
     loss_fn : callable, optional
         Maps the model's output to a scalar loss; default :func:`default_loss`.
     backward : {"loss", "outputs"}
@@ -436,6 +440,12 @@ def capture(
         args, kwargs = tuple(example_inputs), {}
     else:
         args, kwargs = (example_inputs,), {}
+    if example_kwargs:
+        overlap = sorted(set(kwargs) & set(example_kwargs))
+        if overlap:
+            raise CaptureError(f"the keyword argument {overlap[0]!r} is given twice (in example_inputs "
+                               "and in example_kwargs)")
+        kwargs.update(example_kwargs)
     loss_fn = loss_fn or default_loss
 
     tensors = [t for t in tree_leaves((args, kwargs)) if isinstance(t, torch.Tensor)]

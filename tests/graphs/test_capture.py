@@ -177,3 +177,12 @@ def test_upsampling_is_captured_as_the_native_ops_and_torch_is_left_as_it_was():
     assert "aten.upsample_nearest2d.default" in ops and "aten.upsample_nearest2d_backward.default" in ops
     assert not any("index" in o for o in ops)  # not the gather/scatter decomposition
     assert op.py_kernels == before
+
+
+def test_positional_and_keyword_inputs_together():
+    model, inputs = models.hf_llama(n_layer=1, d=32, seq=8, batch=2)
+    both = capture(model, (inputs["input_ids"],), example_kwargs={"labels": inputs["labels"]}, measure_time=False)
+    by_name = capture(model, inputs, measure_time=False)
+    assert len(both) == len(by_name) and both.saved_bytes() == by_name.saved_bytes()
+    with pytest.raises(CaptureError, match="'labels' is given twice"):
+        capture(model, inputs, example_kwargs={"labels": inputs["labels"]}, measure_time=False)
