@@ -175,3 +175,53 @@ def _logits_llama():
 @pytest.mark.parametrize("frac", [0.7, 0.5])
 def test_hf_llama_in_bf16_and_without_labels(make, frac):
     _check(make, frac, "graph", amp_at_optimize=False, amp_in_training=False)
+
+
+def _frozen_encoder():
+    model, inputs = _encoder()
+    for p in list(model.embed.parameters()) + list(model.layers[0].parameters()) + list(model.layers[1].parameters()):
+        p.requires_grad_(False)
+    return model, inputs
+
+
+def _lora_llama():
+    peft = pytest.importorskip("peft")  # a dev extra: installed wherever the tests run
+    model, inputs = ZOO["hf_llama"]()
+    config = peft.LoraConfig(r=4, lora_alpha=8, target_modules=["q_proj", "v_proj"], lora_dropout=0.0)
+    return peft.get_peft_model(model, config), inputs
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("make,mode,frac", [
+    (_frozen_encoder, "graph", 0.7), (_frozen_encoder, "module", 1.01),  # frozen layers: nothing to drop
+    (_lora_llama, "graph", 0.7), (_lora_llama, "graph", 0.5), (_lora_llama, "module", 0.7),
+], ids=["frozen-graph-0.7", "frozen-module-1.01", "lora-graph-0.7", "lora-graph-0.5", "lora-module-0.7"])
+def test_frozen_parameters_and_lora_adapters(make, mode, frac):
+    model, _ = make()
+    trainable = [n for n, p in model.named_parameters() if p.requires_grad]
+    assert 0 < len(trainable) < len(list(model.parameters()))
+    _check(make, frac, mode, amp_at_optimize=False, amp_in_training=False)
+
+
+def _accumulated(model, micro_batches, *, steps=2):
+    """Gradient accumulation: two micro-batches a step, the optimizer steps once."""
+    opt = torch.optim.SGD(model.parameters(), lr=1e-2)
+    out = []
+    for step in range(steps):
+        torch.manual_seed(200 + step)
+        for inputs in micro_batches:
+            (_loss(_call(model, inputs)) / len(micro_batches)).backward()
+        out.append((torch.zeros(()), [p.grad.clone() for p in model.parameters()]))
+        opt.step()
+        opt.zero_grad()
+    return out
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("mode", ["graph", "module"])
+def test_gradient_accumulation_over_micro_batches(mode):
+    model, (x,) = _encoder()
+    micro = [(x[:4],), (x[4:],)]
+    ref, ref2 = copy.deepcopy(model), copy.deepcopy(model)
+    fast = solver.optimize(model, 0.7 * _store_all(model, micro[0]) / GiB, micro[0], mode=mode, measure_time=False)
+    _assert_same(*(_accumulated(m, micro) for m in (fast, ref, ref2)))
