@@ -49,7 +49,7 @@ __all__ = [
     # inductor
     "inductor_compile", "inductor_decompositions", "functorch_config",
     # storages and DTensor
-    "storage_key", "local_tensor",
+    "storage_key", "local_tensor", "forward_hooks",
 ]
 
 #: the torch minor versions remat is tested on (both ends run in CI)
@@ -331,3 +331,29 @@ def local_tensor(t: torch.Tensor) -> torch.Tensor:
     from torch.distributed.tensor import DTensor
 
     return t._local_tensor if isinstance(t, DTensor) else t
+
+
+# ---------------------------------------------------------------- module hooks
+def forward_hooks(model: torch.nn.Module) -> list[str]:
+    """The forward hooks and pre-hooks registered on ``model``, its submodules, and for
+    every module (``register_module_forward_hook``), as ``"path: hook name"``.
+
+    Examples
+    --------
+    >>> net = torch.nn.Sequential(torch.nn.Linear(2, 2))
+    >>> def log_shapes(module, args, out): pass
+    >>> _ = net[0].register_forward_hook(log_shapes)
+    >>> forward_hooks(net)
+    ['0: forward hook log_shapes']
+    """
+    import torch.nn.modules.module as module_mod
+
+    def names(hooks: dict, kind: str, path: str) -> list[str]:
+        return [f"{path}: {kind} {getattr(h, '__qualname__', None) or type(h).__name__}" for h in hooks.values()]
+
+    found = names(module_mod._global_forward_pre_hooks, "global forward pre-hook", "(every module)")
+    found += names(module_mod._global_forward_hooks, "global forward hook", "(every module)")
+    for path, mod in model.named_modules():
+        found += names(mod._forward_pre_hooks, "forward pre-hook", path or "(the model)")
+        found += names(mod._forward_hooks, "forward hook", path or "(the model)")
+    return found
