@@ -51,6 +51,7 @@ from typing import Hashable, Sequence
 
 from graphs import ComputeGraph
 from solver.errors import NoScheduleFound, SolverError
+from solver.lp_backend import create_solver, solve_quietly
 from solver.registry import register
 from solver.schedule import Schedule
 from solver.simulate import simulate
@@ -159,11 +160,7 @@ def _add(solver, constraint) -> None:
 
 
 def _build(graph: ComputeGraph, budget: int, backend: str, *, relax: bool) -> _Model:
-    from ortools.linear_solver import pywraplp
-
-    solver = pywraplp.Solver.CreateSolver(backend)
-    if solver is None:
-        raise SolverError(f"OR-Tools backend {backend!r} is not available; try 'SCIP' or 'CBC'")
+    solver = create_solver(backend)
     ops = list(graph.order)
     n = len(ops)
     index = {v: i for i, v in enumerate(ops)}
@@ -337,8 +334,7 @@ def _solve_model(m: _Model, *, time_limit: float | None, hint: dict | None, rela
     params = pywraplp.MPSolverParameters()
     if not relax:
         params.SetDoubleParam(params.RELATIVE_MIP_GAP, 1e-9)
-    status = solver.Solve(params)
-    return status
+    return solve_quietly(solver, params)
 
 
 def _extract(m: _Model) -> list:
@@ -482,9 +478,7 @@ def _stage_end_lp(graph: ComputeGraph, budget: int, backend: str):
     its inputs + every value kept into stage ``t + 1`` <= budget. Every schedule of the
     stage space satisfies these, so the LP optimum is a lower bound.
     """
-    from ortools.linear_solver import pywraplp
-
-    solver = pywraplp.Solver.CreateSolver(backend)
+    solver = create_solver(backend)
     ops = list(graph.order)
     n = len(ops)
     index = {v: i for i, v in enumerate(ops)}
@@ -550,7 +544,7 @@ def stage_end_lower_bound(graph: ComputeGraph, budget_bytes: int, *, time_limit:
     solver = _stage_end_lp(graph, int(budget_bytes), backend)
     if time_limit is not None:
         solver.SetTimeLimit(max(1, int(1000 * time_limit)))
-    status = solver.Solve()
+    status = solve_quietly(solver)
     if status == pywraplp.Solver.INFEASIBLE:
         return math.inf
     if status != pywraplp.Solver.OPTIMAL:
