@@ -647,8 +647,9 @@ def lower_bound(graph: ComputeGraph, budget_bytes: int, *, time_limit: float | N
     """The best proven lower bound on the cost of any schedule within the budget.
 
     ``order="fixed"``: bound for the stage space (first computations in the reference
-    order): the larger of :func:`stage_end_lower_bound` and, on graphs of at most 150
-    ops, the LP relaxation of :func:`checkmate_milp` (:func:`lp_lower_bound`). ``order="free"``: any
+    order): the largest of :func:`solver.bounds.forced_recompute_bound` (no solver),
+    :func:`stage_end_lower_bound` and, on graphs of at most 150 ops, the LP relaxation
+    of :func:`checkmate_milp` (:func:`lp_lower_bound`). ``order="free"``: any
     order; the store-all cost (every op once) unless the graph is tiny enough for
     exhaustive search.
 
@@ -690,7 +691,11 @@ def lower_bound(graph: ComputeGraph, budget_bytes: int, *, time_limit: float | N
                 return math.inf
         return base
     t0 = time.perf_counter()
-    best = base
+    from solver.bounds import forced_recompute_bound
+
+    best = max(base, forced_recompute_bound(graph, budget_bytes))
+    if best == math.inf or (enough is not None and best >= enough):
+        return best
     lb = stage_end_lower_bound(graph, budget_bytes, time_limit=limit)
     if lb is not None:
         best = max(best, lb)
