@@ -46,6 +46,8 @@ that every schedule must first run in that relative order (random ops).
 from __future__ import annotations
 
 import json
+import math
+import numbers
 import os
 from collections import Counter
 from typing import Any, Hashable, Iterable
@@ -62,6 +64,10 @@ SCHEMA_VERSION = 1
 BACKWARD_START = "<backward>"
 
 SOURCE_KINDS = ("param", "buffer", "input")
+KINDS = ("op",) + SOURCE_KINDS
+PHASES = ("forward", "backward")
+#: numeric node attributes: finite and non-negative
+_AMOUNTS = ("bytes", "flops", "time", "workspace", "run_workspace")
 _DEFAULTS: dict[str, Any] = {
     "kind": "op",
     "phase": "forward",
@@ -246,6 +252,88 @@ class ComputeGraph:
         nodes = self.ops if nodes is None else nodes
         return sum(self.nx.nodes[n][attr] for n in nodes)
 
+    # ------------------------------------------------------------------ checks
+    def validate(self) -> "ComputeGraph":
+        """Check that the graph means what a schedule needs; raise on the first fault.
+
+        Checked: every node's ``kind`` and ``phase`` are known; ``bytes``, ``flops``,
+        ``time``, ``workspace`` and ``run_workspace`` are finite non-negative numbers;
+        the graph has no cycle; the reference order names every op node once, nothing
+        unknown, and runs every op after the ops it reads. :meth:`load` and
+        :meth:`from_dict` call it.
+
+        Returns
+        -------
+        ComputeGraph
+            ``self``, so that ``ComputeGraph(g).validate()`` chains.
+
+        Raises
+        ------
+        GraphFormatError
+            Naming the node at fault and what to change.
+
+        Examples
+        --------
+        >>> g = ComputeGraph(name="g"); g.add_node("a", bytes=4); g.add_node("b", bytes=-1)
+        >>> g.validate()
+        Traceback (most recent call last):
+          ...
+        graphs.errors.GraphFormatError: graph 'g': node 'b' has bytes=-1; give a finite number >= 0
+        """
+        where = f"graph {self.name!r}: " if self.name else ""
+        for n, data in self.nx.nodes(data=True):
+            if data["kind"] not in KINDS:
+                raise GraphFormatError(f"{where}{self._label(n)} has unknown kind {data['kind']!r}; "
+                                       f"use one of {', '.join(KINDS)}")
+            if data["phase"] not in PHASES:
+                raise GraphFormatError(f"{where}{self._label(n)} has unknown phase {data['phase']!r}; "
+                                       f"use 'forward' or 'backward'")
+            for key in _AMOUNTS:
+                if key not in data:
+                    continue
+                value = data[key]
+                ok = isinstance(value, numbers.Real) and not isinstance(value, bool)
+                if not ok or not math.isfinite(value) or value < 0:
+                    raise GraphFormatError(f"{where}{self._label(n)} has {key}={value!r}; "
+                                           f"give a finite number >= 0")
+        if not nx.is_directed_acyclic_graph(self.nx):
+            cycle = [u for u, _ in nx.find_cycle(self.nx)]
+            shown = " -> ".join(repr(u) for u in cycle[:6]) + (" ..." if len(cycle) > 6 else "")
+            raise GraphFormatError(f"{where}the graph has a cycle through {self._label(cycle[0])} "
+                                   f"({shown} -> {cycle[0]!r}); a training step is a DAG")
+        if self._order is not None:
+            self._check_order(where)
+        return self
+
+    def _check_order(self, where: str) -> None:
+        position: dict[Hashable, int] = {}
+        for i, n in enumerate(self._order):
+            try:
+                known = n in self.nx
+            except TypeError:  # an unhashable id (a JSON list)
+                known = False
+            if not known:
+                raise GraphFormatError(f"{where}the reference order names {n!r}, which is not a node")
+            if n in position:
+                raise GraphFormatError(f"{where}the reference order names {self._label(n)} twice; "
+                                       f"give every op node exactly once")
+            if self.is_op(n):
+                position[n] = i
+        missing = [n for n in self.ops_set if n not in position]
+        if missing:
+            raise GraphFormatError(f"{where}the reference order leaves out {self._label(missing[0])} "
+                                   f"({len(missing)} op nodes in all); give every op node exactly once")
+        for u, v in self.nx.edges:
+            if u in position and v in position and position[u] > position[v]:
+                raise GraphFormatError(
+                    f"{where}the reference order is not topological: {self._label(v)} comes before "
+                    f"{self._label(u)}, which it reads; give an order that runs every op after its inputs"
+                )
+
+    def _label(self, n: Hashable) -> str:
+        name = self.nx.nodes[n].get("name") if n in self.nx else None
+        return f"node {n!r}" + (f" ({name!r})" if name and name != n else "")
+
     # ------------------------------------------------------------------ persistence
     def to_dict(self) -> dict[str, Any]:
         data = nx.node_link_data(self.nx, edges="links")
@@ -274,23 +362,55 @@ class ComputeGraph:
 
     @classmethod
     def from_dict(cls, data: dict[str, Any], *, name: str = "") -> "ComputeGraph":
-        graph_attrs = dict(data.get("graph", {}) or {})  # networkx may adopt (and we clear) the original
+        """Build a graph from node-link data (remat's schema or a benchmark graph) and
+        :meth:`validate` it.
+
+        Raises
+        ------
+        GraphFormatError
+            The data is not a node-link graph, a node lacks ``bytes`` (or ``time`` for an
+            op), an edge names an unknown node, or :meth:`validate` fails.
+
+        Examples
+        --------
+        >>> ComputeGraph.from_dict([1, 2])
+        Traceback (most recent call last):
+          ...
+        graphs.errors.GraphFormatError: not a node-link graph: the top level is a list, not an object with 'nodes' and 'links'
+        """
+        if not isinstance(data, dict):
+            raise GraphFormatError(f"not a node-link graph: the top level is a {type(data).__name__}, "
+                                   f"not an object with 'nodes' and 'links'")
+        graph_attrs = data.get("graph", {}) or {}
+        if not isinstance(graph_attrs, dict):
+            raise GraphFormatError(f"not a node-link graph: 'graph' is a {type(graph_attrs).__name__}, "
+                                   f"not an object of graph attributes")
+        graph_attrs = dict(graph_attrs)  # networkx may adopt (and we clear) the original
+        nodes, links = _node_link_lists(data)
         if "remat_schema" in graph_attrs:
             version = graph_attrs["remat_schema"]
-            if version > SCHEMA_VERSION:
+            if not isinstance(version, int) or version > SCHEMA_VERSION:
                 raise GraphFormatError(
-                    f"graph schema version {version} is newer than this remat "
+                    f"graph schema version {version!r} is newer than this remat "
                     f"({SCHEMA_VERSION}); upgrade remat to read it"
                 )
+            for n in nodes:
+                required = ("bytes", "time") if n.get("kind", "op") == "op" else ("bytes",)
+                for key in required:
+                    if key not in n:
+                        raise GraphFormatError(f"node {n['id']!r} has no {key!r}; every node needs its "
+                                               f"bytes and every op node its time")
             g = nx.node_link_graph(data, edges="links", directed=True, multigraph=False)
             g.graph.clear()
-            return cls(
+            graph = cls(
                 g,
                 name=name or graph_attrs.get("name", ""),
                 order=graph_attrs.get("order"),
                 meta=graph_attrs.get("meta", {}),
             )
-        return _from_benchmark(cls, data, name=name)
+        else:
+            graph = _from_benchmark(cls, data, nodes, links, name=name)
+        return graph.validate()
 
     @classmethod
     def load(cls, path: str | os.PathLike) -> "ComputeGraph":
@@ -298,15 +418,27 @@ class ComputeGraph:
 
         Benchmark graphs (node-link JSON) come in two dialects: Checkmate's training
         graphs (``cost_cpu``, ``cost_ram``, ``backward``) and the random layered graphs
-        (``duration``, ``out_cost``, graph attribute ``order``). Node ids are kept.
+        (``duration``, ``out_cost``, graph attribute ``order``). Node ids are kept. The
+        graph is checked by :meth:`validate`.
+
+        Raises
+        ------
+        FileNotFoundError
+            No such file.
+        GraphFormatError
+            The file is not JSON, not a node-link graph, or fails :meth:`validate`; the
+            message starts with the path and names the node at fault.
         """
         with open(path) as f:
             try:
                 data = json.load(f)
-            except json.JSONDecodeError as exc:
+            except (json.JSONDecodeError, UnicodeDecodeError) as exc:
                 raise GraphFormatError(f"{path}: not JSON ({exc})") from exc
         name = os.path.splitext(os.path.basename(str(path)))[0]
-        return cls.from_dict(data, name=name)
+        try:
+            return cls.from_dict(data, name=name)
+        except GraphFormatError as exc:
+            raise GraphFormatError(f"{path}: {exc}") from None
 
     # ------------------------------------------------------------------ reports
     def summary(self, *, top: int = 5) -> str:
@@ -339,35 +471,77 @@ class ComputeGraph:
         return "\n".join(lines)
 
 
-def _from_benchmark(cls, data: dict[str, Any], *, name: str) -> ComputeGraph:
+def _node_link_lists(data: dict[str, Any]) -> tuple[list[dict], list[dict]]:
+    """The node and link records of node-link data, checked for ids and known endpoints."""
     nodes = data.get("nodes")
-    if not nodes:
-        raise GraphFormatError("not a node-link graph: no 'nodes'")
+    if not nodes or not isinstance(nodes, list):
+        raise GraphFormatError("not a node-link graph: no list of 'nodes'")
     links = data.get("links", data.get("edges"))
-    if links is None:
-        raise GraphFormatError("not a node-link graph: no 'links'")
+    if not isinstance(links, list):
+        raise GraphFormatError("not a node-link graph: no list of 'links'")
+    ids = set()
+    for k, n in enumerate(nodes):
+        if not isinstance(n, dict) or "id" not in n:
+            raise GraphFormatError(f"node record {k} has no 'id'")
+        try:
+            ids.add(n["id"])
+        except TypeError:
+            raise GraphFormatError(f"node record {k} has id {n['id']!r}; use a string or a number") from None
+    for k, e in enumerate(links):
+        if not isinstance(e, dict) or "source" not in e or "target" not in e:
+            raise GraphFormatError(f"link record {k} needs a 'source' and a 'target'")
+        for end in ("source", "target"):
+            try:
+                known = e[end] in ids
+            except TypeError:
+                known = False
+            if not known:
+                raise GraphFormatError(f"link {e['source']!r} -> {e['target']!r} names {e[end]!r}, "
+                                       f"which is not a node")
+    return nodes, links
+
+
+def _require(n: dict[str, Any], keys: tuple[str, ...], dialect: str) -> None:
+    for key in keys:
+        if key not in n:
+            raise GraphFormatError(f"node {n['id']!r} has no {key!r}; every node of a {dialect} graph needs "
+                                   f"{' and '.join(repr(k) for k in keys)}")
+
+
+def _number(n: dict[str, Any], key: str, kind: type = float) -> Any:
+    """``n[key]`` as ``kind`` when finite (else as it is, for :meth:`ComputeGraph.validate`)."""
+    value = n[key]
+    if isinstance(value, bool) or not isinstance(value, numbers.Real):
+        raise GraphFormatError(f"node {n['id']!r} has {key}={value!r}; give a finite number >= 0")
+    return kind(value) if math.isfinite(value) else value
+
+
+def _from_benchmark(cls, data: dict[str, Any], nodes: list[dict], links: list[dict], *,
+                    name: str) -> ComputeGraph:
     g = nx.DiGraph()
     first = nodes[0]
     if "cost_ram" in first:  # Checkmate training graphs
         for n in nodes:
+            _require(n, ("cost_ram", "cost_cpu"), "Checkmate")
             g.add_node(
                 n["id"],
                 kind="op",
                 phase="backward" if n.get("backward") else "forward",
                 op=n.get("name", ""),
                 name=n.get("name", ""),
-                bytes=int(n["cost_ram"]),
-                time=float(n["cost_cpu"]),
+                bytes=_number(n, "cost_ram", int),
+                time=_number(n, "cost_cpu"),
             )
     elif "out_cost" in first:  # random layered graphs
         for n in nodes:
+            _require(n, ("out_cost", "duration"), "random layered")
             g.add_node(
                 n["id"],
                 kind="op",
                 phase="forward",
                 op="node",
-                bytes=int(n["out_cost"]),
-                time=float(n.get("duration", 0.0)),
+                bytes=_number(n, "out_cost", int),
+                time=_number(n, "duration"),
             )
     else:
         raise GraphFormatError(
@@ -384,8 +558,6 @@ def _from_benchmark(cls, data: dict[str, Any], *, name: str) -> ComputeGraph:
         if isinstance(raw, (list, tuple)) and len(raw) == 2 and isinstance(raw[1], list):
             raw = raw[1]
         order = list(raw)
-    if not nx.is_directed_acyclic_graph(g):
-        raise GraphFormatError("benchmark graph has a cycle")
     return cls(g, name=name or str(gattr.get("name", "")), order=order,
                meta={"source_format": "checkmate" if "cost_ram" in first else "random_layered"})
 

@@ -516,8 +516,6 @@ def _parser() -> argparse.ArgumentParser:
     return p
 
 
-
-
 def main(argv: Sequence[str] | None = None) -> int:
     """Entry point of the ``remat`` console script; returns the exit status."""
     parser = _parser()
@@ -525,15 +523,24 @@ def main(argv: Sequence[str] | None = None) -> int:
     logging.basicConfig(level=logging.INFO if args.verbose else logging.WARNING, format="%(message)s")
     from graphs.errors import RematError
 
+    as_json = getattr(args, "json", False)
     try:
-        result = args.fn(args)
+        if as_json:
+            # stdout carries the JSON alone: whatever else writes to it (a native
+            # library included) goes to stderr while the command runs
+            from solver.lp_backend import stdout_to_stderr
+
+            with stdout_to_stderr():
+                result = args.fn(args)
+        else:
+            result = args.fn(args)
     except (CLIError, RematError, ValueError, OSError, ImportError, TypeError) as exc:
         msg = " ".join(str(exc).split())
-        if getattr(args, "json", False):
+        if as_json:
             print(json.dumps({"error": msg, "type": type(exc).__name__}))
         print(f"remat: error: {msg}", file=sys.stderr)
         return 2 if isinstance(exc, CLIError) else 1
-    if getattr(args, "json", False):
+    if as_json:
         print(json.dumps(result, default=str))
     return 0
 

@@ -10,7 +10,8 @@ The recipe, cheapest first:
    low-memory recipe of :func:`~solver.methods.minpeak.min_peak_sequence`, which
    reaches every budget that :class:`~solver.InfeasibleBudget` reports;
 5. an exact method (``cpsat``, ``checkmate_milp``) on small graphs when a time limit
-   leaves time, warm-started from the best schedule so far;
+   leaves time, warm-started from the best schedule so far; the next one runs only
+   while the proven gap is above ``gap_tolerance``;
 6. on the winner, :func:`drop_recomputations`: the heuristics plan with a conservative
    memory model, and the recomputations the simulator shows the budget does not need go.
 
@@ -31,7 +32,8 @@ from solver.errors import InfeasibleBudget, NoScheduleFound, SolverError
 from solver.schedule import Schedule
 from solver.simulate import simulate
 
-__all__ = ["solve_auto", "drop_recomputations", "EXACT_MAX_OPS", "CHAIN_DP_MAX_OPS", "ORDER_GAIN", "BOUND_MAX_OPS", "BOUND_LIMITED_MAX_OPS", "SMALL_OPS"]
+__all__ = ["solve_auto", "drop_recomputations", "EXACT_MAX_OPS", "CHAIN_DP_MAX_OPS", "ORDER_GAIN", "BOUND_MAX_OPS",
+           "BOUND_LIMITED_MAX_OPS", "SMALL_OPS", "GAP_TOLERANCE"]
 
 log = logging.getLogger(__name__)
 
@@ -46,9 +48,12 @@ ORDER_GAIN = 0.01
 SMALL_OPS = 60
 #: Without a time limit, the fixed-order lower bound is only attempted up to this size.
 BOUND_MAX_OPS = 100
-#: With a time limit, the bound is attempted up to this size (the LP overruns its limit
-#: on larger graphs).
+#: With a time limit, the bound is attempted up to this size.
 BOUND_LIMITED_MAX_OPS = 400
+#: Default ``gap_tolerance``: auto stops proving once the gap on the extra compute is below.
+GAP_TOLERANCE = 0.01
+#: Seconds below which a step that would start is skipped (it could not finish in time).
+MIN_SLICE = 0.3
 
 
 def _registered(name: str):
@@ -71,13 +76,16 @@ def solve_auto(graph: ComputeGraph, budget: int, *, time_limit: float | None = N
     budget : int
         Peak bytes allowed, fixed bytes included.
     time_limit : float, optional
-        Seconds in all. Without one, auto answers fast (a few seconds on graphs of a few
-        thousand ops): short heuristic runs, no exact method, and at most a small share
-        of the time (and only up to :data:`BOUND_MAX_OPS` ops) for the lower bound. With
-        one, fast heuristics run first; exact methods and the bound get what is left.
+        Seconds in all, kept to within 10 % or a second whatever the graph. Without one,
+        auto answers fast (a few seconds on graphs of a few thousand ops): short
+        heuristic runs, no exact method, and at most a small share of the time (and only
+        up to :data:`BOUND_MAX_OPS` ops) for the lower bound. With one, fast heuristics
+        run first; exact methods and the bound get what is left.
     **options
         ``exact=False`` skips the exact methods; ``bound=False`` skips the lower bound;
-        ``drop=False`` keeps the winner's recomputations as they are.
+        ``drop=False`` keeps the winner's recomputations as they are;
+        ``gap_tolerance`` (default :data:`GAP_TOLERANCE`, 1 %): once the proven gap on
+        the extra compute is at most this, auto stops searching and proving and returns.
 
     Returns
     -------
@@ -114,11 +122,15 @@ def solve_auto(graph: ComputeGraph, budget: int, *, time_limit: float | None = N
     use_exact = options.pop("exact", not unlimited)
     use_bound = options.pop("bound", True)
     use_drop = options.pop("drop", True)
+    tolerance = float(options.pop("gap_tolerance", GAP_TOLERANCE))
+    if not tolerance >= 0:
+        raise ValueError(f"gap_tolerance must be a fraction >= 0, got {tolerance!r}")
     training = bool(graph.backward_nodes())
     tried: dict[str, object] = {}
     reorders: dict[str, bool] = {}
     best: list = [None, None, None]  # schedule, key, why
     found_at = [None]  # seconds until the winning schedule was found
+    proven = [None]  # the best fixed-order bound an exact candidate proved, whoever wins
 
     def consider(name: str, sched: Schedule | None, why: str) -> None:
         if sched is None:
@@ -131,6 +143,8 @@ def solve_auto(graph: ComputeGraph, budget: int, *, time_limit: float | None = N
                         graph.name or "the graph")
             return
         tried[name] = r.cost
+        if sched.lower_bound is not None and sched.info.get("order") == "fixed" and math.isfinite(sched.lower_bound):
+            proven[0] = max(float(sched.lower_bound), proven[0] or -math.inf)
         key = (r.cost, len(sched.sequence))
         if best[1] is None or key < best[1]:
             best[0], best[1], best[2] = sched, key, why
@@ -150,6 +164,16 @@ def solve_auto(graph: ComputeGraph, budget: int, *, time_limit: float | None = N
 
     def extra() -> bool:
         return best[0] is None or best[1][0] > base * (1 + 1e-12)
+
+    def close_enough() -> bool:
+        """A proven fixed-order bound puts the best schedule within the gap tolerance."""
+        if best[0] is None or reorders.get(best[0].method, True):
+            return False
+        bounds = [b for b in (best[0].lower_bound, proven[0]) if b is not None]
+        if not bounds:
+            return False
+        cost = best[1][0]
+        return cost - max(max(bounds), base) <= tolerance * (cost - base) + 1e-9
 
     base = graph.total("time")
     ref_peak = order_peak(ix, range(n))
@@ -182,15 +206,17 @@ def solve_auto(graph: ComputeGraph, budget: int, *, time_limit: float | None = N
                 consider("min_peak", Schedule(sequence=[ix.ids[i] for i in seq], method="min_peak",
                                               info={"order": "free"}),
                          "the low-memory recipe is the only one that fits")
-        # 5. exact methods on small graphs, warm-started
-        #    (also past the time limit when no heuristic fits: the only chance left)
+        # 5. exact methods on small graphs, warm-started, while the gap is not closed
+        #    (also when the time is spent and no heuristic fits, with a short slice each:
+        #    the only chance left)
         rescue = best[0] is None
         if n <= EXACT_MAX_OPS and (rescue or (use_exact and left() > 1.0 and extra())):
             hint = best[0] if best[0] is not None and not reorders.get(best[0].method, True) else None
-            for name in ("cpsat", "checkmate_milp"):
-                if best[0] is not None and left() <= 1.0:
+            for k, name in enumerate(("cpsat", "checkmate_milp")):
+                if best[0] is not None and (left() <= 1.0 or close_enough()):
                     break
-                kw = {"time_limit": max(1.0 if best[0] is None else 0.5, 0.5 * left())}
+                share = 0.5 * left() if k == 0 else left()
+                kw = {"time_limit": max(MIN_SLICE if best[0] is None else 0.5, share)}
                 if hint is not None:
                     kw["hint"] = hint
                 run(name, "exact method on a small graph, warm-started from the heuristics", **kw)
@@ -203,8 +229,9 @@ def solve_auto(graph: ComputeGraph, budget: int, *, time_limit: float | None = N
     if use_drop and extra() and not sched.offloads:
         # 6. drop the recomputations that the budget does not need (the heuristics plan
         #    with a conservative memory model and evict more than they must)
+        slice_s = min(max(0.5, 0.1 * limit), max(MIN_SLICE, left()))
         cheaper = drop_recomputations(graph, sched.sequence, budget,
-                                      deadline=_time.perf_counter() + max(0.5, 0.1 * limit))
+                                      deadline=_time.perf_counter() + slice_s)
         cost = simulate(graph, cheaper).cost
         if len(cheaper) < len(sched.sequence) and cost <= key[0]:
             sched.info = {**sched.info, "dropped_recomputations": len(sched.sequence) - len(cheaper),
@@ -215,6 +242,8 @@ def solve_auto(graph: ComputeGraph, budget: int, *, time_limit: float | None = N
     picked = sched.method or next(k for k, v in tried.items() if v == key[0])
     sched.info = dict(sched.info)
     fixed_scope = not any(reorders.values())
+    if fixed_scope and proven[0] is not None and (sched.lower_bound is None or proven[0] > sched.lower_bound):
+        sched.lower_bound = min(proven[0], key[0])  # an exact candidate's bound holds for the winner
     elapsed = _time.perf_counter() - t0
     bound = None
     if key[0] <= base * (1 + 1e-12):
@@ -223,20 +252,32 @@ def solve_auto(graph: ComputeGraph, budget: int, *, time_limit: float | None = N
         bound = float(sched.lower_bound) if fixed_scope or sched.info.get("bound_scope") == "free order" else None
         if not fixed_scope and bound is None:
             sched.info["fixed_order_lower_bound"] = float(sched.lower_bound)
-    if use_bound and bound is None and "fixed_order_lower_bound" not in sched.info:
+    close = bound is not None and key[0] - bound <= tolerance * (key[0] - base) + 1e-9
+    if use_bound and not close and "fixed_order_lower_bound" not in sched.info:
+        # the solver-free fixed-order bound first: milliseconds on thousands of ops
+        from solver.bounds import forced_recompute_bound
+
+        lb = min(forced_recompute_bound(graph, budget), key[0])
+        if fixed_scope:
+            bound = lb if bound is None else max(bound, lb)
+            close = key[0] - bound <= tolerance * (key[0] - base) + 1e-9
+        elif lb > base:
+            sched.info["fixed_order_lower_bound"] = lb
+    if use_bound and not close and "fixed_order_lower_bound" not in sched.info:
         # a small share of the time when no limit was given (solver.optimize calls auto)
         b_time = min(2.0, max(0.2, 0.25 * elapsed)) if unlimited else left()
         if b_time > 0.1 and (n <= BOUND_MAX_OPS or (not unlimited and b_time >= 5.0 and n <= BOUND_LIMITED_MAX_OPS)):
             try:
                 from solver.methods import milp
 
-                lb = milp.lower_bound(graph, budget, time_limit=b_time, order="fixed")
+                target = key[0] - tolerance * (key[0] - base)
+                lb = milp.lower_bound(graph, budget, time_limit=b_time, order="fixed", enough=target)
                 if lb is not None and math.isfinite(lb):
                     lb = min(float(lb), key[0])
                     if fixed_scope:
-                        bound = lb
+                        bound = lb if bound is None else max(bound, lb)
                     else:
-                        sched.info["fixed_order_lower_bound"] = lb
+                        sched.info["fixed_order_lower_bound"] = max(lb, sched.info.get("fixed_order_lower_bound", lb))
             except (ImportError, AttributeError, SolverError, ValueError) as exc:
                 log.debug("no lower bound for %s: %s", graph.name, exc)
     sched.lower_bound = bound

@@ -37,6 +37,7 @@ import time
 from typing import Hashable, Sequence
 
 from graphs import ComputeGraph
+from solver.deadline import Deadline, OutOfTime
 from solver.errors import NoScheduleFound, SolverError
 from solver.registry import register
 from solver.schedule import Schedule
@@ -48,6 +49,10 @@ log = logging.getLogger(__name__)
 
 DEFAULT_TIME_LIMIT = 60.0
 SMALL_GRAPH = 12
+#: A model may take this share of the time left to build; the rest is for solving.
+BUILD_SHARE = 0.8
+#: Seconds CP-SAT takes to take in a model, per second spent building it.
+LOAD_PER_BUILD = 0.15
 
 
 def _integer_times(times: list[float]) -> tuple[list[int], int]:
@@ -99,15 +104,20 @@ def _hint_copies(p: _Problem, sequence: Sequence[Hashable]) -> list[list[int]] |
     return starts
 
 
-def _solve_once(p: _Problem, copies: list[int], hint: list[list[int]] | None, time_limit: float,
+def _solve_once(p: _Problem, copies: list[int], hint: list[list[int]] | None, deadline: Deadline,
                 workers: int):
+    """Build and solve one model; raises :class:`OutOfTime` when the model does not build
+    in :data:`BUILD_SHARE` of the time left."""
     from ortools.sat.python import cp_model
 
+    built = time.perf_counter()
+    build_by = deadline.within(BUILD_SHARE * deadline.left())
     model = cp_model.CpModel()
     H = p.horizon
     starts, ends, present = [], [], []
     intervals, demands = [], []
     for i in range(p.n):
+        build_by.check("building the CP-SAT model")
         s_i, e_i, p_i = [], [], []
         for c in range(copies[i]):
             if c == 0:
@@ -144,6 +154,7 @@ def _solve_once(p: _Problem, copies: list[int], hint: list[list[int]] | None, ti
     model.AddCumulative(intervals, demands, p.capacity)
     serve = {}
     for j in range(p.n):
+        build_by.check("building the CP-SAT model")
         for d in range(copies[j]):
             for i in p.pred[j]:
                 options = []
@@ -158,8 +169,10 @@ def _solve_once(p: _Problem, copies: list[int], hint: list[list[int]] | None, ti
     model.Minimize(sum(p.itime[i] * present[i][c] for i in range(p.n) for c in range(1, copies[i])))
     if hint is not None:
         _add_hint(model, p, copies, hint, starts, ends, present, serve)
+    build_by.check("building the CP-SAT model")
     solver = cp_model.CpSolver()
-    solver.parameters.max_time_in_seconds = max(0.1, time_limit)
+    # CP-SAT copies and presolves the model within its limit, but not instantly
+    solver.parameters.max_time_in_seconds = max(0.05, deadline.left() - LOAD_PER_BUILD * (time.perf_counter() - built))
     solver.parameters.num_workers = workers
     status = solver.Solve(model)
     used = [0] * p.n
@@ -225,7 +238,9 @@ def cpsat(
     budget_bytes : int
         Peak bytes allowed, fixed bytes included.
     time_limit : float, optional
-        Seconds for all rounds together (default 60); the best schedule found is returned.
+        Seconds for all rounds together, model building included (default 60); the best
+        schedule found is returned, or the warm start (``info["status"] == "hint"``) when
+        the model does not build in time.
     hint : Schedule or sequence, optional
         Warm start (brought to stage form; used when it fits). Store-all is tried too.
     copies : int, "auto" or None
@@ -238,7 +253,8 @@ def cpsat(
     Returns
     -------
     Schedule
-        ``info["status"]``: ``"optimal"``, ``"optimal_within_copies"`` or ``"feasible"``;
+        ``info["status"]``: ``"optimal"``, ``"optimal_within_copies"``, ``"feasible"`` or
+        ``"hint"``;
         ``info["copies"]``: the largest cap used.
 
     Raises
@@ -261,6 +277,7 @@ def cpsat(
     t0 = time.perf_counter()
     budget = int(budget_bytes)
     limit = DEFAULT_TIME_LIMIT if time_limit is None else float(time_limit)
+    deadline = Deadline(limit)
     p = _Problem(graph, budget)
     if p.capacity < 0:
         raise NoScheduleFound(f"the fixed bytes alone exceed the budget of {budget} B")
@@ -277,6 +294,7 @@ def cpsat(
         grow = False
     stages = _candidate_hints(graph, budget, hint)
     warm = None
+    fallback = [graph.order[i] for st in stages[0] for i in st] if stages else None
     if stages:
         warm = [[] for _ in range(p.n)]
         for t, st in enumerate(stages[0]):
@@ -288,10 +306,16 @@ def cpsat(
             cap = [max(c, len(w)) for c, w in zip(cap, warm)]
     best_seq, best_cost, status_name, bound = None, math.inf, "feasible", None
     rounds = 0
+    stopped = None
     while True:
         rounds += 1
-        remaining = limit - (time.perf_counter() - t0)
-        status, seq, used, cp_bound = _solve_once(p, cap, warm, remaining, workers)
+        try:
+            status, seq, used, cp_bound = _solve_once(p, cap, warm, deadline, workers)
+        except OutOfTime:
+            stopped = f"the model of {p.n} ops did not build in time"
+            log.info("cpsat: %s (round %d, %.2f s)", stopped, rounds, time.perf_counter() - t0)
+            status = cp_model.UNKNOWN
+            break
         complete = all(c >= m for c, m in zip(cap, p.max_copies))
         if status == cp_model.INFEASIBLE:
             if complete:
@@ -328,6 +352,10 @@ def cpsat(
         for i in saturated:
             cap[i] += 1
         log.info("cpsat: round %d used all copies of %d ops; growing their caps", rounds, len(saturated))
+    if best_seq is None and fallback is not None and status != cp_model.INFEASIBLE:
+        # out of time before a solution: the warm start (it fits the budget) is all there is
+        stopped = stopped or "the solver stopped without a solution"
+        best_seq, best_cost, status_name = fallback, simulate(graph, fallback).cost, "hint"
     if best_seq is None:
         if status == cp_model.INFEASIBLE:
             raise NoScheduleFound(f"no schedule with at most {max(cap)} computations of an op fits "
@@ -335,9 +363,11 @@ def cpsat(
         raise NoScheduleFound(f"cpsat found no schedule within {budget} B in {limit:.0f} s; "
                               f"give a longer time_limit or a warm start (hint=)")
     if bound is None:
-        remaining = limit - (time.perf_counter() - t0)
+        remaining = deadline.left()
         lp = lp_lower_bound(graph, budget, time_limit=remaining) if remaining > 1 else None
         bound = float(sum(p.time)) if lp is None else lp
     bound = min(bound, best_cost)
-    return Schedule(sequence=best_seq, method="cpsat", lower_bound=bound,
-                    info={"order": "fixed", "status": status_name, "copies": max(cap), "rounds": rounds})
+    info = {"order": "fixed", "status": status_name, "copies": max(cap), "rounds": rounds}
+    if stopped:
+        info["stopped"] = stopped
+    return Schedule(sequence=best_seq, method="cpsat", lower_bound=bound, info=info)

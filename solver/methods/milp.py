@@ -50,7 +50,9 @@ from dataclasses import dataclass, field
 from typing import Hashable, Sequence
 
 from graphs import ComputeGraph
+from solver.deadline import Deadline, OutOfTime
 from solver.errors import NoScheduleFound, SolverError
+from solver.lp_backend import create_solver, solve_quietly
 from solver.registry import register
 from solver.schedule import Schedule
 from solver.simulate import simulate
@@ -60,6 +62,12 @@ __all__ = ["checkmate_milp", "lp_lower_bound", "lower_bound", "stage_end_lower_b
 log = logging.getLogger(__name__)
 
 DEFAULT_TIME_LIMIT = 60.0
+#: Model building may use this share of the time left: handing a model to the backend
+#: takes up to about a quarter of its build time again (SCIP, measured), then it solves.
+BUILD_SHARE = 0.7
+#: Seconds the backend takes to load a model, per second spent building it.
+LOAD_PER_BUILD = {"SCIP": 0.25, "CBC": 0.25, "CP_SAT": 0.25}
+LP_LOAD_PER_BUILD = 0.1
 
 
 class _Zero(int):
@@ -158,12 +166,11 @@ def _add(solver, constraint) -> None:
     solver.Add(constraint)
 
 
-def _build(graph: ComputeGraph, budget: int, backend: str, *, relax: bool) -> _Model:
-    from ortools.linear_solver import pywraplp
-
-    solver = pywraplp.Solver.CreateSolver(backend)
-    if solver is None:
-        raise SolverError(f"OR-Tools backend {backend!r} is not available; try 'SCIP' or 'CBC'")
+def _build(graph: ComputeGraph, budget: int, backend: str, *, relax: bool,
+           deadline: Deadline | None = None) -> _Model:
+    """The model; raises :class:`OutOfTime` once ``deadline`` passes while building."""
+    check = deadline.check if deadline is not None else (lambda what: None)
+    solver = create_solver(backend)
     ops = list(graph.order)
     n = len(ops)
     index = {v: i for i, v in enumerate(ops)}
@@ -188,6 +195,7 @@ def _build(graph: ComputeGraph, budget: int, backend: str, *, relax: bool) -> _M
 
     R, S, FREE, U = m.R, m.S, m.FREE, m.U
     for t in range(n):
+        check("building the MILP")
         R[t, t] = 1
         for i in range(t):
             if recomputable[i] and (succ[i] or output[i]):
@@ -205,6 +213,7 @@ def _build(graph: ComputeGraph, budget: int, backend: str, *, relax: bool) -> _M
         return d.get(key, _ZERO_SENTINEL)
 
     for t in range(n):
+        check("building the MILP")
         # inputs resident
         for j in range(t + 1):
             r = val(R, (t, j))
@@ -225,6 +234,7 @@ def _build(graph: ComputeGraph, budget: int, backend: str, *, relax: bool) -> _M
             _add(solver, nxt <= val(S, (t, i)) + val(R, (t, i)))
         # frees
         for i in range(t + 1):
+            check("building the MILP")
             exists = val(R, (t, i)), val(S, (t, i))
             if exists[0] is _ZERO_SENTINEL and exists[1] is _ZERO_SENTINEL:
                 continue
@@ -337,8 +347,7 @@ def _solve_model(m: _Model, *, time_limit: float | None, hint: dict | None, rela
     params = pywraplp.MPSolverParameters()
     if not relax:
         params.SetDoubleParam(params.RELATIVE_MIP_GAP, 1e-9)
-    status = solver.Solve(params)
-    return status
+    return solve_quietly(solver, params)
 
 
 def _extract(m: _Model) -> list:
@@ -393,8 +402,10 @@ def checkmate_milp(
     budget_bytes : int
         Peak bytes allowed, fixed bytes included.
     time_limit : float, optional
-        Seconds (default 60). At the limit, the best schedule found is returned with the
-        solver's bound as ``lower_bound``.
+        Seconds for all of it, model building included (default 60). At the limit, the
+        best schedule found is returned with the solver's bound as ``lower_bound``; when
+        the model does not build in time, the warm start (``info["status"] == "hint"``,
+        ``info["stopped"]`` says why).
     hint : Schedule or sequence, optional
         A warm start. It (or store-all, when that fits) is brought to stage form by
         sorting each stage's recomputations; used when it then fits the budget.
@@ -425,13 +436,24 @@ def checkmate_milp(
     t0 = time.perf_counter()
     budget = int(budget_bytes)
     limit = DEFAULT_TIME_LIMIT if time_limit is None else float(time_limit)
+    deadline = Deadline(limit)
     base = float(sum(graph[v]["time"] for v in graph.order))
     candidates = _candidate_hints(graph, budget, hint)
     shrink = 0
+    why = "the solver stopped without a solution"
     for attempt in range(3):
-        m = _build(graph, budget - shrink, backend, relax=False)
-        values = _hint_values(graph, m, candidates[0]) if candidates else None
-        remaining = max(0.5, limit - (time.perf_counter() - t0))
+        built = time.perf_counter()
+        try:
+            m = _build(graph, budget - shrink, backend, relax=False,
+                       deadline=deadline.within(BUILD_SHARE * deadline.left()))
+            values = _hint_values(graph, m, candidates[0]) if candidates else None
+        except OutOfTime:
+            why = f"the model of {len(graph.order)} ops did not build in time"
+            break
+        remaining = deadline.left() - LOAD_PER_BUILD.get(backend, 0.25) * (time.perf_counter() - built)
+        if remaining < 0.05:
+            why = "no time was left to solve the model"
+            break
         status = _solve_model(m, time_limit=remaining, hint=values, relax=False)
         found = status in (pywraplp.Solver.OPTIMAL, pywraplp.Solver.FEASIBLE)
         bound = None
@@ -464,27 +486,28 @@ def checkmate_milp(
         # numerical tolerance let a step exceed the budget: tighten and solve again
         shrink += max(1, r.peak_bytes - budget) * 2
         log.info("checkmate_milp: tolerance overshoot of %d B, tightening", r.peak_bytes - budget)
+    log.info("checkmate_milp: %s after %.2f s", why, time.perf_counter() - t0)
     if candidates:
         seq = [graph.order[i] for st in candidates[0] for i in st]
         return Schedule(sequence=seq, method="checkmate_milp", lower_bound=None,
-                        info={"order": "fixed", "status": "hint", "backend": backend})
+                        info={"order": "fixed", "status": "hint", "backend": backend, "stopped": why})
     raise NoScheduleFound(
-        f"checkmate_milp found no schedule within {budget} B in {limit:.0f} s; give a longer "
+        f"checkmate_milp found no schedule within {budget} B in {limit:.3g} s ({why}); give a longer "
         f"time_limit or a warm start (hint=)"
     )
 
 
-def _stage_end_lp(graph: ComputeGraph, budget: int, backend: str):
+def _stage_end_lp(graph: ComputeGraph, budget: int, backend: str, *, deadline: Deadline | None = None):
     """A smaller relaxation: the MILP without FREE/U, memory checked at stage ends only.
 
     Keeps ``R`` and ``S`` (continuous) where a value can still be read, the input and
     keep constraints, and at the last step of stage ``t``: fixed + workspace + op ``t`` +
     its inputs + every value kept into stage ``t + 1`` <= budget. Every schedule of the
-    stage space satisfies these, so the LP optimum is a lower bound.
+    stage space satisfies these, so the LP optimum is a lower bound. Raises
+    :class:`OutOfTime` once ``deadline`` passes while building.
     """
-    from ortools.linear_solver import pywraplp
-
-    solver = pywraplp.Solver.CreateSolver(backend)
+    check = deadline.check if deadline is not None else (lambda what: None)
+    solver = create_solver(backend)
     ops = list(graph.order)
     n = len(ops)
     index = {v: i for i, v in enumerate(ops)}
@@ -502,6 +525,7 @@ def _stage_end_lp(graph: ComputeGraph, budget: int, backend: str):
     S: dict = {}
     terms = []
     for i in range(n):
+        check("building the stage-end LP")
         for t in range(i + 1, min(last[i], n - 1) + 1):
             S[t, i] = solver.NumVar(0, 1, "")
             if recomputable[i]:
@@ -515,6 +539,7 @@ def _stage_end_lp(graph: ComputeGraph, budget: int, backend: str):
             if t > i:
                 solver.Add(S[t, i] + R.get((t, i), 0) >= 1)
     for j in range(n):
+        check("building the stage-end LP")
         for t in [j] + [t for t in range(j + 1, n) if (t, j) in R]:
             rj = 1 if t == j else R[t, j]
             for p in pred[j]:
@@ -547,10 +572,19 @@ def stage_end_lower_bound(graph: ComputeGraph, budget_bytes: int, *, time_limit:
     from ortools.linear_solver import pywraplp
 
     base = float(sum(graph[v]["time"] for v in graph.order))
-    solver = _stage_end_lp(graph, int(budget_bytes), backend)
+    deadline = Deadline(time_limit)
+    built = time.perf_counter()
+    try:
+        solver = _stage_end_lp(graph, int(budget_bytes), backend,
+                               deadline=deadline.within(BUILD_SHARE * deadline.left()))
+    except OutOfTime:
+        return None
     if time_limit is not None:
-        solver.SetTimeLimit(max(1, int(1000 * time_limit)))
-    status = solver.Solve()
+        remaining = deadline.left() - LP_LOAD_PER_BUILD * (time.perf_counter() - built)
+        if remaining < 0.05:
+            return None
+        solver.SetTimeLimit(max(1, int(1000 * remaining)))
+    status = solve_quietly(solver)
     if status == pywraplp.Solver.INFEASIBLE:
         return math.inf
     if status != pywraplp.Solver.OPTIMAL:
@@ -567,7 +601,7 @@ def lp_lower_bound(graph: ComputeGraph, budget_bytes: int, *, time_limit: float 
     graph : ComputeGraph
     budget_bytes : int
     time_limit : float, optional
-        Seconds; ``None`` when the LP does not finish in time.
+        Seconds, model building included; ``None`` when the LP does not finish in time.
     backend : str
         OR-Tools LP backend (``"GLOP"``, ``"PDLP"``, ``"CLP"``).
 
@@ -587,8 +621,19 @@ def lp_lower_bound(graph: ComputeGraph, budget_bytes: int, *, time_limit: float 
     from ortools.linear_solver import pywraplp
 
     base = float(sum(graph[v]["time"] for v in graph.order))
-    m = _build(graph, int(budget_bytes), backend, relax=True)
-    status = _solve_model(m, time_limit=time_limit, hint=None, relax=True)
+    deadline = Deadline(time_limit)
+    built = time.perf_counter()
+    try:
+        m = _build(graph, int(budget_bytes), backend, relax=True,
+                   deadline=deadline.within(BUILD_SHARE * deadline.left()))
+    except OutOfTime:
+        return None
+    remaining = None
+    if time_limit is not None:
+        remaining = deadline.left() - LP_LOAD_PER_BUILD * (time.perf_counter() - built)
+        if remaining < 0.05:
+            return None
+    status = _solve_model(m, time_limit=remaining, hint=None, relax=True)
     if status == pywraplp.Solver.INFEASIBLE:
         return math.inf
     if status != pywraplp.Solver.OPTIMAL:
@@ -598,12 +643,13 @@ def lp_lower_bound(graph: ComputeGraph, budget_bytes: int, *, time_limit: float 
 
 
 def lower_bound(graph: ComputeGraph, budget_bytes: int, *, time_limit: float | None = None,
-                order: str = "fixed") -> float:
+                order: str = "fixed", enough: float | None = None) -> float:
     """The best proven lower bound on the cost of any schedule within the budget.
 
     ``order="fixed"``: bound for the stage space (first computations in the reference
-    order): the larger of :func:`stage_end_lower_bound` and, on graphs of at most 150
-    ops, the LP relaxation of :func:`checkmate_milp` (:func:`lp_lower_bound`). ``order="free"``: any
+    order): the largest of :func:`solver.bounds.forced_recompute_bound` (no solver),
+    :func:`stage_end_lower_bound` and, on graphs of at most 150 ops, the LP relaxation
+    of :func:`checkmate_milp` (:func:`lp_lower_bound`). ``order="free"``: any
     order; the store-all cost (every op once) unless the graph is tiny enough for
     exhaustive search.
 
@@ -612,8 +658,11 @@ def lower_bound(graph: ComputeGraph, budget_bytes: int, *, time_limit: float | N
     graph : ComputeGraph
     budget_bytes : int
     time_limit : float, optional
-        Seconds for the LP (default 60).
+        Seconds for the bounds, model building included (default 60).
     order : {"fixed", "free"}
+    enough : float, optional
+        Stop at the first bound at least this high (a cost already known to be close
+        enough): the costlier LP is skipped.
 
     Returns
     -------
@@ -642,11 +691,17 @@ def lower_bound(graph: ComputeGraph, budget_bytes: int, *, time_limit: float | N
                 return math.inf
         return base
     t0 = time.perf_counter()
-    best = base
+    from solver.bounds import forced_recompute_bound
+
+    best = max(base, forced_recompute_bound(graph, budget_bytes))
+    if best == math.inf or (enough is not None and best >= enough):
+        return best
     lb = stage_end_lower_bound(graph, budget_bytes, time_limit=limit)
     if lb is not None:
         best = max(best, lb)
     remaining = limit - (time.perf_counter() - t0)
+    if enough is not None and best >= enough:
+        return best
     if len(graph.order) <= 150 and remaining > 1 and best < math.inf:
         lb = lp_lower_bound(graph, budget_bytes, time_limit=remaining)
         if lb is not None:

@@ -44,7 +44,7 @@ import numpy as np
 
 from graphs import ComputeGraph
 from graphs.hardware import Hardware, get_hardware
-from solver.errors import NoScheduleFound, RematError
+from solver.errors import NoScheduleFound, RematError, SolverError
 from solver.registry import methods as _registered_methods
 from solver.registry import register
 from solver.schedule import Offload, Schedule
@@ -350,8 +350,11 @@ def _n_placements(w: OffloadWindow) -> int:
 def _milp(windows, curve, compute, budget, bandwidth, *, time_limit) -> list[Offload] | None:
     from ortools.linear_solver import pywraplp
 
-    solver = pywraplp.Solver.CreateSolver("SCIP")
-    if solver is None:  # pragma: no cover - depends on the OR-Tools build
+    from solver.lp_backend import create_solver, solve_quietly
+
+    try:
+        solver = create_solver("SCIP")
+    except SolverError:  # pragma: no cover - depends on the OR-Tools build
         log.warning("OR-Tools has no SCIP backend; offload windows are planned greedily")
         return None
     if time_limit:
@@ -393,7 +396,7 @@ def _milp(windows, curve, compute, budget, bandwidth, *, time_limit) -> list[Off
             solver.Add(y * bw >= solver.Sum([b * x for x, b in in_at[t]]))
         objective.append(y - float(compute[t]))
     solver.Minimize(solver.Sum(objective))
-    status = solver.Solve()
+    status = solve_quietly(solver)
     if status not in (pywraplp.Solver.OPTIMAL, pywraplp.Solver.FEASIBLE):
         return None
     return [w.offload(s_out, s_in) for x, w, s_out, s_in in xs if x.solution_value() > 0.5]

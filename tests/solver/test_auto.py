@@ -182,3 +182,38 @@ def test_auto_just_below_store_all_recomputes_little():
     evict = solver.solve(g, top - 1, method="eviction")
     assert s.cost <= evict.cost
     assert drop_recomputations(g, s.sequence, top - 1) == s.sequence  # nothing left to drop
+
+
+def _chain10():
+    import random
+
+    rng = random.Random(0)
+    g = training_chain(10, fwd_bytes=[rng.randint(1, 9) for _ in range(10)],
+                       fwd_time=[float(rng.randint(1, 5)) for _ in range(10)])
+    from solver.synthetic import budget_between
+
+    return g, budget_between(g, 0.3)
+
+
+def test_gap_tolerance_stops_the_exact_methods():
+    g, budget = _chain10()
+    # cpsat proves only an LP bound here (gap ~ 40 %): with no tolerance the MILP runs and
+    # closes the gap; with a tolerance of 100 % any proven bound is enough
+    strict = solver.solve(g, budget, method="auto", time_limit=20, gap_tolerance=0.0)
+    assert "checkmate_milp" in strict.info["auto"]["tried"] and strict.gap == 0.0
+    loose = solver.solve(g, budget, method="auto", time_limit=20, gap_tolerance=1.0)
+    tried = loose.info["auto"]["tried"]
+    assert "cpsat" in tried and "checkmate_milp" not in tried
+    assert strict.lower_bound == strict.cost < strict.base_cost + 15
+    assert loose.lower_bound is not None and strict.base_cost <= loose.lower_bound < strict.cost <= loose.cost
+    assert 0 < loose.gap <= 1.0 and loose.peak_bytes <= budget
+
+
+def test_gap_tolerance_must_be_a_fraction():
+    import pytest
+
+    from solver.methods.auto import solve_auto
+
+    g, budget = _chain10()
+    with pytest.raises(ValueError, match="gap_tolerance"):
+        solve_auto(g, budget, time_limit=5, gap_tolerance=-0.1)

@@ -115,3 +115,59 @@ def test_console_script_subprocess():
                          timeout=120)
     assert bad.returncode != 0 and len(bad.stderr.strip().splitlines()) == 1
     assert "Traceback" not in bad.stderr
+
+
+REPO = Path(__file__).resolve().parents[2]
+
+
+def _cli(*argv, timeout=300):
+    """The CLI in a fresh process, as a script would run it."""
+    return subprocess.run([sys.executable, "-m", "solver.cli", *argv], capture_output=True, text=True,
+                          timeout=timeout, cwd=REPO)
+
+
+@pytest.mark.skipif(not VGG.exists(), reason="benchmark graphs not present")
+@pytest.mark.parametrize("method", ["auto", "checkmate_milp"])
+def test_json_stdout_is_json_alone(method):
+    # auto also runs the HiGHS lower bound, whose banner used to open stdout
+    got = _cli("solve", str(VGG), "--budget", "0.9x", "--method", method, "--time-limit", "30", "--json")
+    assert got.returncode == 0, got.stderr
+    out = json.loads(got.stdout)
+    assert out["peak_bytes"] <= 0.9 * out["store_all_peak"] + 1
+    assert out["method"] == method or (method == "auto" and out["method"].startswith("auto:"))
+    assert "HiGHS" not in got.stderr and "Running" not in got.stderr
+
+
+def _malformed(tmp_path) -> dict[str, Path]:
+    from solver.synthetic import random_training_graph
+
+    files = {}
+    files["list"] = tmp_path / "list.json"
+    files["list"].write_text(json.dumps([{"id": 0, "out_cost": 4, "duration": 1}]))
+    layered = {"directed": True, "multigraph": False, "graph": {"order": [0, 1, 2]},
+               "nodes": [{"id": 0, "out_cost": 4, "duration": 1.0}, {"id": 1, "duration": 1.0},
+                         {"id": 2, "out_cost": 4, "duration": 1.0}],
+               "links": [{"source": 0, "target": 1}, {"source": 1, "target": 2}]}
+    files["out_cost"] = tmp_path / "no_out_cost.json"
+    files["out_cost"].write_text(json.dumps(layered))
+    data = random_training_graph(10, seed=0).to_dict()
+    order = data["graph"]["order"]
+    data["links"].append({"source": order[-1], "target": order[0]})
+    files["cycle"] = tmp_path / "cycle.json"
+    files["cycle"].write_text(json.dumps(data))
+    return files
+
+
+@pytest.mark.parametrize("case,needle", [("list", "top level is a list"), ("out_cost", "node 1 has no 'out_cost'"),
+                                         ("cycle", "cycle")])
+def test_malformed_graph_files_give_one_line(tmp_path, case, needle):
+    path = _malformed(tmp_path)[case]
+    for argv in (["solve", str(path), "--budget", "0.9x"], ["solve", str(path), "--budget", "0.9x", "--json"]):
+        got = _cli(*argv, timeout=60)
+        assert got.returncode != 0
+        lines = got.stderr.strip().splitlines()
+        assert len(lines) == 1 and needle in lines[0] and "Traceback" not in got.stderr, got.stderr
+        if "--json" in argv:
+            assert json.loads(got.stdout)["type"] == "GraphFormatError"
+        else:
+            assert got.stdout == ""

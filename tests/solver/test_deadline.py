@@ -1,0 +1,83 @@
+"""Time limits: the Deadline clock, and the contract that every exact method and ``auto``
+return within their ``time_limit`` (10 % or 1 s of slack), model building included, on
+graphs far too large for them to finish."""
+
+import time
+
+import pytest
+
+from solver.deadline import Deadline, OutOfTime
+from solver.errors import NoScheduleFound
+from solver.methods.auto import solve_auto
+from solver.registry import get_method, methods
+from solver.simulate import simulate
+from solver.synthetic import random_training_graph
+
+EXACT = sorted(name for name, info in methods().items() if info.exact)
+LIMIT = 2.0
+SLACK = max(0.1 * LIMIT, 1.0)
+
+
+def test_deadline_clock():
+    d = Deadline(0.05)
+    assert not d.expired() and 0 < d.left() <= 0.05
+    d.check("waiting")
+    assert d.within(10.0).at == d.at and d.within(0.01).at < d.at
+    time.sleep(0.06)
+    assert d.expired() and d.left() < 0
+    with pytest.raises(OutOfTime, match="while waiting"):
+        d.check("waiting")
+    assert Deadline(None).left() == float("inf") and not Deadline(None).expired()
+
+
+def test_out_of_time_is_a_no_schedule_found():
+    assert issubclass(OutOfTime, NoScheduleFound)
+
+
+def test_the_exact_methods_are_known():
+    assert {"cpsat", "checkmate_milp"} <= set(EXACT)
+
+
+def _graph(n_forward: int, fraction: float = 0.9):
+    g = random_training_graph(n_forward, seed=0)
+    return g, int(fraction * simulate(g, g.order).peak_bytes)
+
+
+def _timed(fn, *args, **kwargs):
+    t = time.perf_counter()
+    try:
+        out = fn(*args, **kwargs)
+    except NoScheduleFound as exc:
+        out = exc
+    return out, time.perf_counter() - t
+
+
+@pytest.mark.parametrize("method", EXACT)
+def test_exact_method_keeps_its_time_limit_on_a_large_graph(method):
+    g, budget = _graph(150)  # 300 ops: the model alone takes far longer than the limit to build
+    out, elapsed = _timed(get_method(method).fn, g, budget, time_limit=LIMIT)
+    assert elapsed <= LIMIT + SLACK, f"{method} took {elapsed:.2f} s for a limit of {LIMIT} s"
+    if not isinstance(out, NoScheduleFound):
+        r = simulate(g, out)
+        assert r.valid and r.peak_bytes <= budget
+
+
+@pytest.mark.parametrize("method", EXACT)
+def test_exact_method_out_of_time_returns_its_warm_start(method):
+    g, budget = _graph(55)  # 110 ops
+    hint = get_method("eviction").fn(g, budget)
+    out, elapsed = _timed(get_method(method).fn, g, budget, time_limit=LIMIT, hint=hint)
+    assert elapsed <= LIMIT + SLACK, f"{method} took {elapsed:.2f} s for a limit of {LIMIT} s"
+    assert not isinstance(out, NoScheduleFound), out
+    r = simulate(g, out)
+    assert r.valid and r.peak_bytes <= budget and r.cost <= simulate(g, hint).cost
+    assert out.info["status"] in ("hint", "feasible", "optimal", "optimal_within_copies")
+
+
+@pytest.mark.parametrize("n_forward", [55, 150])
+def test_auto_keeps_its_time_limit(n_forward):
+    g, budget = _graph(n_forward)
+    out, elapsed = _timed(solve_auto, g, budget, time_limit=LIMIT)
+    assert elapsed <= LIMIT + SLACK, f"auto took {elapsed:.2f} s for a limit of {LIMIT} s"
+    if not isinstance(out, NoScheduleFound):
+        assert simulate(g, out).peak_bytes <= budget
