@@ -1,14 +1,14 @@
 import pytest
 import torch
 
-from examples.models import unet
+from examples.models import inplace_mlp, unet
 from graphs import RematError
 from graphs.memory import AllocatorPeak, MemoryTracker, SavedTensorCounter, measure_peak, peak_of_events
 
 
 def test_peak_counts_temporaries_and_baseline():
     x = torch.ones(1000)
-    m = measure_peak(lambda t: ((t + 1) * 2).sum(), x)
+    m = measure_peak(lambda t: ((t + 1) * 2).sum(), x, track=True)
     # x, t + 1, and (t + 1) * 2 are alive together at the peak
     assert m.baseline_bytes == 4000
     assert m.tracked_peak_bytes == 12000
@@ -58,7 +58,7 @@ def test_the_allocator_sees_what_a_convolution_allocates_inside_the_op():
 
 def test_a_cnn_step_allocates_more_than_the_live_tensor_tracker_sees():
     model, (x,) = unet(batch=4, size=32)
-    m = measure_peak(lambda: model(x).sum().backward(), roots=(model, x))
+    m = measure_peak(lambda: model(x).sum().backward(), roots=(model, x), track=True)
     assert m.baseline_bytes == sum(p.numel() * 4 for p in model.parameters()) + x.numel() * 4
     # measured: 2.00 MiB by the allocator, 1.50 MiB by the tracker (conv kernels' buffers)
     assert m.peak_bytes >= 1.2 * m.tracked_peak_bytes
@@ -113,3 +113,16 @@ def test_saved_counter_dedups_and_excludes_params():
         y = h * h  # saves h twice: counted once
     assert saved.bytes == 8 * 16 * 4 * 2  # x (input of the matmul) and h
     y.sum().backward()
+
+
+def test_the_verdict_is_measured_without_the_tracker():
+    def step():
+        model(x).backward()
+
+    model, (x,) = inplace_mlp()
+    alone = measure_peak(step, roots=(model, x))
+    model.zero_grad(set_to_none=True)
+    tracked = measure_peak(step, roots=(model, x), track=True)
+    assert alone.tracked_peak_bytes is None
+    # the tracker's references keep autograd from reusing a gradient buffer in place
+    assert tracked.peak_bytes == tracked.tracked_peak_bytes > alone.peak_bytes
