@@ -17,7 +17,7 @@ import torch.nn as nn
 import torch.nn.functional as F
 
 __all__ = [
-    "ZOO", "mlp", "resnet", "unet", "gpt", "hf_gpt2", "hf_llama", "inplace_mlp", "multi_input",
+    "ZOO", "mlp", "resnet", "unet", "unet_bn", "gpt", "hf_gpt2", "hf_llama", "inplace_mlp", "multi_input",
     "data_dependent", "GPT",
 ]
 
@@ -110,6 +110,38 @@ def unet(*, batch: int = 2, width: int = 8, size: int = 32, depth: int = 2, seed
     """U-Net-style model with long skips; the loss is the output's sum."""
     torch.manual_seed(seed)
     return UNet(width=width, depth=depth), (torch.randn(batch, 3, size, size),)
+
+
+class UNetBN(nn.Module):
+    """A small U-Net-style CNN: conv + BatchNorm + ReLU, a strided conv down, Dropout2d,
+    a transposed conv up, and a long skip through ``cat``."""
+
+    def __init__(self, *, width: int = 16):
+        super().__init__()
+        w = width
+
+        def conv_bn(cin: int, cout: int, stride: int = 1) -> nn.Sequential:
+            return nn.Sequential(nn.Conv2d(cin, cout, 3, stride, 1, bias=False), nn.BatchNorm2d(cout), nn.ReLU())
+
+        self.enc = conv_bn(3, w)
+        self.down = nn.Sequential(conv_bn(w, 2 * w, stride=2), nn.Dropout2d(0.1))
+        self.mid = conv_bn(2 * w, 2 * w)
+        self.up = nn.ConvTranspose2d(2 * w, w, 2, stride=2)
+        self.dec = conv_bn(2 * w, w)
+        self.head = nn.Conv2d(w, 1, 1)
+
+    def forward(self, x):
+        skip = self.enc(x)
+        h = self.up(self.mid(self.down(skip)))
+        return self.head(self.dec(torch.cat([h, skip], dim=1)))
+
+
+def unet_bn(*, batch: int = 16, width: int = 16, size: int = 64, seed: int = 0):
+    """U-Net-style CNN with BatchNorm, Dropout2d and a transposed conv; the loss is the
+    output's sum. Its CPU convolutions allocate buffers inside the op (see
+    :class:`graphs.memory.AllocatorPeak`)."""
+    torch.manual_seed(seed)
+    return UNetBN(width=width), (torch.randn(batch, 3, size, size),)
 
 
 class _GPTBlock(nn.Module):
@@ -269,6 +301,7 @@ ZOO: dict[str, Callable[..., tuple[nn.Module, Any]]] = {
     "mlp": mlp,
     "resnet": resnet,
     "unet": unet,
+    "unet_bn": unet_bn,
     "gpt": gpt,
     "hf_gpt2": hf_gpt2,
     "hf_llama": hf_llama,

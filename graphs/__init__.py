@@ -1,7 +1,7 @@
 """remat.graphs: capture a training step as a cost-annotated DAG, and rewrite it.
 
 Everything torch-specific lives here: capture (torch.fx, ATen level), costs, the memory
-tracker and the rewriter. The solver package sees only :class:`ComputeGraph`; the
+judge and tracker, and the rewriter. The solver package sees only :class:`ComputeGraph`; the
 torch-dependent names below are imported on first use, so ``import graphs`` stays free
 of torch.
 """
@@ -12,11 +12,12 @@ from graphs.hardware import Hardware, get_hardware
 
 __all__ = [
     "ComputeGraph", "SCHEMA_VERSION", "BACKWARD_START", "CaptureError", "GraphFormatError", "RematError",
-    "Hardware", "get_hardware", "capture", "MemoryTracker", "SavedTensorCounter", "measure_peak",
+    "Hardware", "get_hardware", "capture", "AllocatorPeak", "MemoryTracker", "SavedTensorCounter", "measure_peak",
 ]
 
 _LAZY = {
     "capture": "graphs.capture",
+    "AllocatorPeak": "graphs.memory",
     "MemoryTracker": "graphs.memory",
     "SavedTensorCounter": "graphs.memory",
     "measure_peak": "graphs.memory",

@@ -514,8 +514,11 @@ def capture(
         # timing runs the random ops too: the generators end as they were
         with no_autocast(), torch.random.fork_rng(devices=cuda):
             costs.annotate_measured_time(gm, values, repeats=repeats)
+            costs.annotate_measured_workspace(gm, values)
     else:
         costs.annotate_roofline_time(gm, hw)
+        if not real:
+            costs.annotate_estimated_workspace(gm)
 
     cg = _build(gm, storage, name=name or type(model).__name__, shared=_shared_sources(placeholders, step))
     cg.meta.update({
@@ -668,6 +671,7 @@ def _build(gm: torch.fx.GraphModule, storage: dict, *, name: str, shared: dict[s
             bytes=rec.bytes,
             flops=int(node.meta.get("remat_flops", 0)),
             time=float(node.meta.get("remat_time", 0.0)),
+            workspace=int(node.meta.get("remat_workspace", 0)),
             recomputable=not is_random_op(node),
             name=_readable_name(node),
             alias_of=rec.base if rec.alias else None,
@@ -710,6 +714,9 @@ def _build(gm: torch.fx.GraphModule, storage: dict, *, name: str, shared: dict[s
     cg.meta["ordered"] = [n for n in order if n in cg.nx and cg[n]["op"] not in ("tangent", BACKWARD_START)
                           and not cg[n]["recomputable"] and cg[n].get("group") is None]
     cg.order = [n for n in order if n in cg.nx]
+    # op workspaces: "measured" (real tensors, timed), "estimated" (per op family, fake or
+    # meta tensors) or "none" (real tensors, not timed: the live tensors alone)
+    cg.meta["workspace_source"] = gm.meta.get("remat_workspace_source", "none")
     return cg
 
 

@@ -357,3 +357,49 @@ def forward_hooks(model: torch.nn.Module) -> list[str]:
         found += names(mod._forward_pre_hooks, "forward pre-hook", path or "(the model)")
         found += names(mod._forward_hooks, "forward hook", path or "(the model)")
     return found
+
+
+# ---------------------------------------------------------------- profiler results
+__all__ += ["profiler_running", "allocation_events", "labelled_spans"]
+
+
+def profiler_running() -> bool:
+    """Whether a torch profiler is recording on this thread (a second one would take
+    over its session silently)."""
+    return bool(torch._C._autograd._profiler_enabled())
+
+
+def _kineto_events(prof: Any) -> list:
+    """The raw events of a finished ``torch.profiler.profile`` (torch 2.13-2.14: its
+    autograd profiler's kineto result; ``prof.events()`` would build the whole
+    FunctionEvent tree first, which costs more than the step it profiles)."""
+    results = getattr(getattr(prof, "profiler", None), "kineto_results", None)
+    if results is None:
+        raise RematError("the profiler has no results: read them after its `with` block ends")
+    return list(results.events())
+
+
+def allocation_events(prof: Any) -> list[tuple[int, int, str]]:
+    """Every alloc and free of c10's allocators that ``prof`` recorded (it must be
+    started with ``profile_memory=True``), in time order.
+
+    Returns
+    -------
+    list of (time_ns, nbytes, device_type)
+        ``nbytes`` is positive for an allocation, negative for a free; ``device_type``
+        is lower case (``"cpu"``, ``"cuda"``).
+    """
+    out = [(int(e.start_ns()), int(e.nbytes()), str(e.device_type()).rsplit(".", 1)[-1].lower())
+           for e in _kineto_events(prof) if e.name() == "[memory]"]
+    out.sort(key=lambda ev: ev[0])
+    return out
+
+
+def labelled_spans(prof: Any, prefix: str) -> list[tuple[str, int, int]]:
+    """``(label, start_ns, end_ns)`` of every ``torch.profiler.record_function`` range
+    whose label starts with ``prefix``, in time order, on the clock of
+    :func:`allocation_events`."""
+    out = [(e.name(), int(e.start_ns()), int(e.end_ns())) for e in _kineto_events(prof)
+           if e.name().startswith(prefix)]
+    out.sort(key=lambda ev: ev[1])
+    return out

@@ -5,7 +5,8 @@ import torch
 from torch.fx.experimental.proxy_tensor import make_fx
 
 from graphs import CaptureError
-from graphs.costs import annotate_flops, annotate_roofline_time, annotate_storage
+from graphs.costs import (annotate_estimated_workspace, annotate_flops, annotate_measured_workspace,
+                          annotate_roofline_time, annotate_storage)
 from graphs.hardware import Hardware
 
 
@@ -67,3 +68,40 @@ def test_errors_name_the_node():
             n.meta["val"] = None
     with pytest.raises(CaptureError, match="mm"):
         annotate_flops(gm)
+
+
+def test_measured_workspace_of_a_convolution_and_none_for_a_matmul():
+    x, w = torch.randn(4, 8, 32, 32), torch.randn(16, 8, 3, 3)
+    conv = lambda a, b: torch.ops.aten.convolution(a, b, None, [1, 1], [1, 1], [1, 1], False, [0, 0], 1)
+    gm = make_fx(lambda a, b, m: (conv(a, b), m @ m))(x, w, torch.ones(64, 64))
+    ws = annotate_measured_workspace(gm, [x, w, torch.ones(64, 64)])
+    assert ws["convolution"] > 0 and ws["mm"] == 0
+    assert gm.meta["remat_workspace_source"] == "measured"
+    assert all("remat_workspace" in n.meta for n in gm.graph.nodes)
+
+
+def test_estimated_workspace_follows_the_convolution_rules():
+    x, w = torch.ones(2, 3, 16, 16), torch.ones(8, 3, 3, 3)
+
+    def step(a, b):
+        out = torch.ops.aten.convolution(a, b, None, [2, 2], [1, 1], [1, 1], False, [0, 0], 1)
+        return torch.ops.aten.convolution_backward(out, a, b, None, [2, 2], [1, 1], [1, 1], False, [0, 0], 1,
+                                                    [False, True, False])
+
+    gm = _trace(step, x, w)
+    ws = annotate_estimated_workspace(gm)
+    out_bytes, in_bytes, w_bytes = 2 * 8 * 8 * 8 * 4, 2 * 3 * 16 * 16 * 4, 8 * 3 * 9 * 4
+    assert ws["convolution"] == max(in_bytes, out_bytes) + w_bytes
+    assert ws["convolution_backward"] == out_bytes  # no input gradient asked for: only the output's
+    assert gm.meta["remat_workspace_source"] == "estimated"
+
+
+def test_inside_another_profiler_the_workspace_is_estimated(caplog):
+    x, w = torch.randn(2, 3, 8, 8), torch.randn(4, 3, 3, 3)
+    conv = lambda a, b: torch.ops.aten.convolution(a, b, None, [1, 1], [1, 1], [1, 1], False, [0, 0], 1)
+    gm = make_fx(conv)(x, w)
+    with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CPU]):
+        ws = annotate_measured_workspace(gm, [x, w])
+    assert gm.meta["remat_workspace_source"] == "estimated"
+    assert ws["convolution"] == (2 * 4 * 64 + 4 * 3 * 9) * 4
+    assert "estimated" in caplog.text
