@@ -21,6 +21,7 @@ from typing import Any, Sequence
 
 import numpy as np
 
+from graphs.fixed import charge
 from graphs.hardware import Hardware, get_hardware
 from graphs.units import GiB, format_bytes, format_count
 from solver import analytic
@@ -511,8 +512,8 @@ class GraphPlanner:
     Attributes
     ----------
     graph : ComputeGraph
-        The captured step (``backward="loss"``); ``meta["extra_fixed_bytes"]`` holds the
-        optimizer state.
+        The captured step (``backward="loss"``); its fixed charges
+        (:class:`graphs.fixed.FixedCharges`) hold the optimizer state.
     blocks : list of str
     options : tuple of LayerAction
     """
@@ -559,13 +560,10 @@ class GraphPlanner:
         esize = params[0].element_size() if params else 4
         _, _, o_b = analytic.state_bytes_per_parameter(esize, self.optimizer)
         self.optimizer_bytes = int(numel * o_b)
-        self.graph.meta["extra_fixed_bytes"] = self.optimizer_bytes
-        if self.sharding == "ddp":  # DDP's gradient buckets: one more copy of the gradients
-            g = self.graph
-            self.graph.meta["extra_fixed_bytes"] += sum(
-                g[v]["bytes"] for v in g.ops if g[v]["output"] and g[v]["phase"] == "backward")
-        elif self.sharding == "fsdp":  # rank_peak shards the optimizer state
-            self.graph.meta["extra_fixed_bytes"] = 0
+        # DDP's gradient buckets: one more copy of the gradients; under FSDP2 rank_peak
+        # shards and charges the optimizer state itself
+        charge(self.graph, optimizer=0 if self.sharding == "fsdp" else self.optimizer_bytes,
+               buckets=self.graph.grad_bytes if self.sharding == "ddp" else 0)
         self.options = (LayerAction.NONE, LayerAction.SELECTIVE, LayerAction.FULL) + (
             (LayerAction.OFFLOAD,) if self.allow_offload else ())
         self.base_flops = float(sum(self.graph[v].get("flops", 0) for v in self.graph.ops))
