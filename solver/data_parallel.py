@@ -10,6 +10,7 @@ from typing import Any, Callable
 from torch import nn
 
 from graphs import ComputeGraph
+from graphs.actions import LayerAction
 from graphs.fixed import charge
 from graphs.module_mode import layer_blocks
 from graphs.planned import wrap_planned
@@ -107,7 +108,8 @@ class DataParallel:
         # selective checkpoint inside a unit measures above the simulator's prediction
         # (one recomputed activation more); plan with none / full until it is modelled
         mp, rp = plan_modules_per_rank(cg, budget, blocks=names, world_size=self.world_size, sharding="fsdp",
-                                       units=names, optimizer_bytes=optimizer_bytes, actions=("none", "full"),
+                                       units=names, optimizer_bytes=optimizer_bytes,
+                                       actions=(LayerAction.NONE.value, LayerAction.FULL.value),
                                        time_limit=time_limit)
         self.fixed = rp.fixed
         return mp, rp

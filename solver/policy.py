@@ -13,7 +13,6 @@ gradients and optimizer state and adds the units it gathers (:mod:`solver.distri
 
 from __future__ import annotations
 
-import enum
 import logging
 import time
 from dataclasses import dataclass, field
@@ -21,6 +20,7 @@ from typing import Any, Sequence
 
 import numpy as np
 
+from graphs.actions import TRAINER_ACTIONS, LayerAction
 from graphs.fixed import charge
 from graphs.hardware import Hardware, get_hardware
 from graphs.units import GiB, format_bytes, format_count
@@ -35,18 +35,6 @@ log = logging.getLogger(__name__)
 
 #: Pipeline schedules whose in-flight micro-batches :func:`policy` counts.
 SCHEDULES = ("1f1b", "gpipe")
-
-
-class LayerAction(str, enum.Enum):
-    """What one transformer layer does with its activations between forward and backward."""
-
-    NONE = "none"            #: keep every activation
-    SELECTIVE = "selective"  #: recompute the attention core (Korthikanti et al. 2022)
-    FULL = "full"            #: keep the layer input, recompute the whole layer
-    OFFLOAD = "offload"      #: move the activations to host memory and back
-
-    def __str__(self) -> str:
-        return self.value
 
 
 # Order in which a stage's layers receive actions: offloaded layers first (their copies
@@ -163,7 +151,7 @@ class LayerPolicy:
 
     def counts(self) -> dict[LayerAction, int]:
         """How many layers take each action."""
-        return {a: sum(1 for x in self.actions if x == a) for a in LayerAction}
+        return {a: sum(1 for x in self.actions if x == a) for a in TRAINER_ACTIONS}
 
     def layers_with(self, action: "LayerAction | str") -> list[int]:
         """Indices of the layers that take ``action``."""
