@@ -9,6 +9,7 @@ The algorithms see only a :class:`graphs.ComputeGraph` (pure graph math);
 import solver.methods as _method_package  # noqa: F401  (registers every method)
 from solver.errors import BudgetNotReached, InfeasibleBudget, NoScheduleFound, RematError, SolverError
 from solver.feasibility import peak_lower_bound
+from solver.fixed import optimizer_state_bytes
 from solver.registry import MethodInfo, register
 from solver.solving import get_method, methods, solve
 from solver.schedule import Action, Offload, Schedule, TensorDecision
@@ -50,6 +51,7 @@ __all__ = [
     "TensorDecision",
     "get_method",
     "methods",
+    "optimizer_state_bytes",
     "peak_lower_bound",
     "register",
     "simulate",
