@@ -178,7 +178,7 @@ def test_optimize_refuses_inductor_outside_single_process_graph_mode():
 
 
 def test_the_allocator_redirect_finds_the_generated_module_behind_wrappers():
-    from graphs.graph_mode import _generated_namespace
+    from graphs.torch_internals import _generated_namespace
 
     namespace = {"empty_strided_cpu": object()}
     call = eval("lambda args: args", namespace)  # a function whose globals are the module's
