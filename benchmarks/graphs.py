@@ -80,7 +80,7 @@ def run(graphs_dir: pathlib.Path, *, time_limit: float, only: str | None, method
         topo = simulate(g, g.order).peak_bytes
         for frac in FRACTIONS:
             budget = int(frac * topo)
-            for name in names + ["auto"]:
+            for name in names + ([] if "auto" in names else ["auto"]):
                 order = registry[name].order if name in registry else "free"
                 limit = _limit_for(name, len(g.ops), time_limit, large_limit)
                 row = {"graph": g.name, "ops": len(g.ops), "fraction": frac, "budget": budget,

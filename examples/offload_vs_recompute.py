@@ -13,7 +13,7 @@ import tempfile
 import numpy as np
 
 from solver.methods.offload import breakeven_bandwidth
-from solver.registry import solve
+from solver.solving import solve
 from solver.simulate import simulate
 from solver.synthetic import training_chain
 

@@ -213,11 +213,23 @@ class ComputeGraph:
 
     @property
     def fixed_bytes(self) -> int:
-        """Bytes resident for the whole step: sources plus ``meta['extra_fixed_bytes']``."""
+        """Bytes resident for the whole step: sources plus ``meta['extra_fixed_bytes']``
+        (the total of :class:`graphs.fixed.FixedCharges`)."""
         return int(
             sum(self.nx.nodes[n]["bytes"] for n in self.sources)
             + self.meta.get("extra_fixed_bytes", 0)
         )
+
+    @property
+    def param_bytes(self) -> int:
+        """Bytes of the parameters (sources of kind ``param``)."""
+        return int(sum(self.nx.nodes[n]["bytes"] for n in self.sources if self.nx.nodes[n].get("kind") == "param"))
+
+    @property
+    def grad_bytes(self) -> int:
+        """Bytes of the gradients (the step's backward outputs)."""
+        return int(sum(self.nx.nodes[n]["bytes"] for n in self.ops
+                       if self.nx.nodes[n]["output"] and self.nx.nodes[n]["phase"] == "backward"))
 
     def forward_nodes(self) -> list[Hashable]:
         return [n for n in self.ops if self.nx.nodes[n]["phase"] == "forward"]

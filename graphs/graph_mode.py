@@ -14,18 +14,13 @@ plain code's peak plus a headroom. Each segment is decomposed with inductor's
 decomposition table and compiled with ``compile_fx_inner``; its buffers are allocated
 through the dispatcher, so :class:`graphs.memory.MemoryTracker` sees them.
 
-:func:`wrap_graph_mode` returns a drop-in module: a shallow copy of the user's model (same
-class, parameters, buffers and ``state_dict`` keys) whose forward plans on the first call
-for each input signature (through a planner callback, so this module never imports a
-solver), runs the scheduled step in training with gradients enabled, and the original
-forward otherwise (``eval()``, ``torch.no_grad()``: no recomputation at all).
+:func:`wrap_graph_mode` returns the drop-in module of :func:`graphs.planned.wrap_planned`
+(the one lazy wrapper of both modes) running scheduled steps.
 """
 
 from __future__ import annotations
 
 import contextlib
-import copy
-import functools
 import logging
 import operator
 from typing import Any, Callable, Hashable, Sequence
@@ -33,11 +28,12 @@ from typing import Any, Callable, Hashable, Sequence
 import torch
 from torch import nn
 
-from graphs.autocast import autocast_state, no_autocast
+from graphs.autocast import no_autocast
 from graphs.capture import is_random_op
 from graphs.compute_graph import BACKWARD_START, ComputeGraph
 from graphs.costs import _tensor_storage_bytes, annotate_storage
 from graphs.errors import RematError
+from graphs.planned import Planner, input_signature, wrap_planned
 from graphs.rewrite import _is_view, boxed, partition_by_schedule
 from graphs.torch_internals import (FakeTensorMode, aot_compile_joint, detect_fake_mode, inductor_compile,
                                      is_op_overload, tree_flatten, tree_unflatten)
@@ -401,60 +397,8 @@ def _fqn(name: str) -> str:
     return name[3:] if name.startswith("gm.") else name
 
 
-def input_signature(args: tuple, kwargs: dict) -> tuple:
-    """A hashable key of the inputs' structure, shapes, dtypes and devices, and of the
-    autocast state (a plan captured under autocast holds its casts).
-
-    Examples
-    --------
-    >>> input_signature((torch.ones(2, 3),), {}) == input_signature((torch.zeros(2, 3),), {})
-    True
-    """
-    flat, spec = tree_flatten((args, kwargs))
-    leaves = []
-    for t in flat:
-        if isinstance(t, torch.Tensor):
-            leaves.append(("T", tuple(t.shape), t.dtype, t.device.type, t.requires_grad))
-        else:
-            leaves.append(("V", repr(t)))
-    return (str(spec), tuple(leaves), autocast_state())
-
-
-Planner = Callable[[nn.Module, tuple, dict], Any]
-
-
 def wrap_graph_mode(model: nn.Module, planner: Planner) -> nn.Module:
-    """A drop-in module that runs ``model``'s training steps as scheduled graphs.
-
-    Parameters
-    ----------
-    model : torch.nn.Module
-    planner : callable
-        ``planner(model, args, kwargs) -> ScheduledStep`` (it captures, solves and
-        compiles); called once per input signature, on the first call in training mode
-        with gradients enabled.
-
-    Returns
-    -------
-    torch.nn.Module
-        A shallow copy of ``model``: same class, same parameter and buffer objects, same
-        ``state_dict`` keys; ``model`` itself is not changed.
-    """
-    wrapper = copy.copy(model)
-    original_forward = type(model).forward
-    steps: dict[tuple, ScheduledStep] = {}
-
-    @functools.wraps(original_forward)
-    def forward(*args: Any, **kwargs: Any) -> Any:
-        if not (wrapper.training and torch.is_grad_enabled()):
-            return original_forward(wrapper, *args, **kwargs)
-        key = input_signature(args, kwargs)
-        step = steps.get(key)
-        if step is None:
-            step = planner(model, args, kwargs)
-            steps[key] = step
-        return step(wrapper, args, kwargs)
-
-    wrapper.forward = forward
-    wrapper.remat_steps = steps
-    return wrapper
+    """:func:`graphs.planned.wrap_planned` with a planner that returns a
+    :class:`ScheduledStep` (``planner(model, args, kwargs)``: it captures, solves and
+    compiles)."""
+    return wrap_planned(model, planner)

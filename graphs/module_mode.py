@@ -10,8 +10,11 @@ A plan maps submodule names (``model.get_submodule`` paths) to one of
     recompute its forward just before its backward.
 ``"selective"``
     the same with a selective-checkpoint policy
-    (:func:`torch.utils.checkpoint.create_selective_checkpoint_contexts`) that saves the
-    outputs of matmul-like ops and recomputes the cheap rest.
+    (:func:`torch.utils.checkpoint.create_selective_checkpoint_contexts`) that recomputes
+    the attention core and saves the rest (Korthikanti et al.).
+``"save_matmuls"``
+    the same with a policy that saves the outputs of matmul-like ops and recomputes the
+    cheap rest (:mod:`graphs.actions` defines both rules).
 ``"offload"``
     :class:`torch.autograd.graph.save_on_cpu`: the block's saved tensors go to host
     memory during forward and come back in backward. (torch's ``*_CPU_OFFLOAD``
@@ -31,17 +34,19 @@ import contextlib
 import copy
 import functools
 import threading
-from typing import Any, Callable, Mapping
+from typing import Any, Callable, Iterable, Mapping
 
 import torch
 from torch import nn
 from torch.utils.checkpoint import checkpoint
 
+from graphs.actions import LayerAction, op_packet, saves_output
 from graphs.errors import RematError
 
 __all__ = ["LAYER_ACTIONS", "apply_module_plan", "layer_blocks", "selective_policy", "ModulePlanError"]
 
-LAYER_ACTIONS = ("none", "selective", "full", "offload")
+#: the actions a plan may name (:class:`graphs.actions.LayerAction`)
+LAYER_ACTIONS = tuple(a.value for a in LayerAction)
 
 _state = threading.local()
 
@@ -97,35 +102,45 @@ def _recompute_flag():
         _state.recomputing -= 1
 
 
-def _compute_intensive_ops() -> set:
-    aten = torch.ops.aten
-    ops = {aten.mm.default, aten.addmm.default, aten.bmm.default, aten.baddbmm.default,
-           aten.convolution.default, aten._scaled_dot_product_flash_attention.default,
-           aten._scaled_dot_product_efficient_attention.default, aten.linear.default,
-           aten.matmul.default}
-    for name in ("_scaled_dot_product_flash_attention_for_cpu", "_scaled_dot_product_cudnn_attention"):
-        op = getattr(aten, name, None)
-        if op is not None:
-            ops.add(op.default)
-    return ops
-
-
-def selective_policy(save_ops: set | None = None) -> Callable:
-    """A selective-checkpoint policy: save the outputs of ``save_ops`` (default: matmuls,
-    convolutions and fused attention), recompute everything else.
+def selective_policy(save_ops: set | None = None, *, action: LayerAction | str = LayerAction.SAVE_MATMULS,
+                     recompute_ops: Iterable[str] | None = None) -> Callable:
+    """A selective-checkpoint policy for
+    :func:`torch.utils.checkpoint.create_selective_checkpoint_contexts`: the rule of
+    ``action`` (:func:`graphs.actions.saves_output`; default ``save_matmuls``: save the
+    outputs of matmuls, convolutions and fused attention, recompute everything else;
+    ``selective``: recompute the attention core, save the rest). ``save_ops`` (a set of
+    ops whose outputs are saved) or ``recompute_ops`` (op packet names recomputed) replace
+    the rule.
 
     Examples
     --------
-    >>> fn = selective_policy()
-    >>> callable(fn)
+    >>> from torch.utils.checkpoint import CheckpointPolicy
+    >>> fn = selective_policy(action="selective")
+    >>> fn(None, torch.ops.aten.bmm.default) == CheckpointPolicy.PREFER_RECOMPUTE
+    True
+    >>> selective_policy()(None, torch.ops.aten.mm.default) == CheckpointPolicy.MUST_SAVE
     True
     """
     from torch.utils.checkpoint import CheckpointPolicy
 
-    ops = _compute_intensive_ops() if save_ops is None else set(save_ops)
+    if save_ops is not None:
+        ops = set(save_ops)
+
+        def saved(op) -> bool:
+            return op in ops
+    elif recompute_ops is not None:
+        names = frozenset(recompute_ops)
+
+        def saved(op) -> bool:
+            return op_packet(op) not in names
+    else:
+        rule = LayerAction(action)
+
+        def saved(op) -> bool:
+            return saves_output(rule, op)
 
     def policy_fn(ctx, op, *args, **kwargs):
-        return CheckpointPolicy.MUST_SAVE if op in ops else CheckpointPolicy.PREFER_RECOMPUTE
+        return CheckpointPolicy.MUST_SAVE if saved(op) else CheckpointPolicy.PREFER_RECOMPUTE
 
     return policy_fn
 
@@ -139,10 +154,10 @@ def _context_fn(module: nn.Module, action: str):
     buffers restored afterwards so that running statistics are updated once."""
 
     def make():
-        if action == "selective":
+        if action in (LayerAction.SELECTIVE, LayerAction.SAVE_MATMULS):
             from torch.utils.checkpoint import create_selective_checkpoint_contexts
 
-            fwd_ctx, rec_ctx = create_selective_checkpoint_contexts(selective_policy())
+            fwd_ctx, rec_ctx = create_selective_checkpoint_contexts(selective_policy(action=action))
         else:
             fwd_ctx, rec_ctx = contextlib.nullcontext(), contextlib.nullcontext()
         return fwd_ctx, _RecomputeContext(module, rec_ctx)
@@ -175,10 +190,10 @@ def _wrapped_forward(module: nn.Module, name: str, original: Callable) -> Callab
     @functools.wraps(original)
     def forward(*args: Any, **kwargs: Any) -> Any:
         plan = _active_plan()
-        action = plan.get(name, "none") if plan is not None else "none"
-        if action == "none" or not torch.is_grad_enabled() or not module.training:
+        action = plan.get(name, LayerAction.NONE) if plan is not None else LayerAction.NONE
+        if action == LayerAction.NONE or not torch.is_grad_enabled() or not module.training:
             return original(*args, **kwargs)
-        if action == "offload":
+        if action == LayerAction.OFFLOAD:
             with torch.autograd.graph.save_on_cpu(pin_memory=torch.cuda.is_available()):
                 return original(*args, **kwargs)
         return checkpoint(
@@ -220,7 +235,7 @@ def apply_module_plan(model: nn.Module, plan: Mapping[str, str]) -> nn.Module:
     >>> torch.equal(fast(x), net(x)), list(fast.state_dict()) == list(net.state_dict())
     (True, True)
     """
-    plan = {k: v for k, v in plan.items() if v != "none"}
+    plan = {k: v for k, v in plan.items() if v != LayerAction.NONE}
     for name, action in plan.items():
         if action not in LAYER_ACTIONS:
             raise ModulePlanError(f"unknown action {action!r} for {name!r}; choose one of {LAYER_ACTIONS}")

@@ -36,6 +36,7 @@ import torch.fx as fx
 
 from graphs.capture import is_random_op
 from graphs.errors import RematError
+from graphs.fixed import charge
 from graphs.torch_internals import boxed_codegen, fake_value, is_op_overload, op_schema
 
 __all__ = ["RewriteError", "partition_by_schedule", "boxed", "rng_state_bytes", "replay_random_ops"]
@@ -120,7 +121,7 @@ def replay_random_ops(graph) -> int:
     inputs = getattr(info, "flat_inputs", None) or []
     on_cpu = not any(isinstance(t, torch.Tensor) and t.device.type == "cuda" for t in inputs)
     extra = len(random) * rng_state_bytes("cpu") if on_cpu else 0
-    graph.meta["extra_fixed_bytes"] = graph.meta.get("extra_fixed_bytes", 0) + extra
+    charge(graph, rng_states=extra)
     graph.meta["random_replay"] = True
     graph._invalidate()
     return len(random)

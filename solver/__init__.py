@@ -4,9 +4,14 @@ The algorithms see only a :class:`graphs.ComputeGraph` (pure graph math);
 :func:`solver.optimize` is the one place that joins them with torch.
 """
 
+# the method package first: importing it later would rebind ``solver.methods`` (the
+# function below) to the package
+import solver.methods as _method_package  # noqa: F401  (registers every method)
 from solver.errors import BudgetNotReached, InfeasibleBudget, NoScheduleFound, RematError, SolverError
 from solver.feasibility import peak_lower_bound
-from solver.registry import MethodInfo, get_method, methods, register, solve
+from solver.fixed import optimizer_state_bytes
+from solver.registry import MethodInfo, register
+from solver.solving import get_method, methods, solve
 from solver.schedule import Action, Offload, Schedule, TensorDecision
 from solver.simulate import SimulationResult, simulate
 from solver.analytic import TransformerConfig
@@ -46,6 +51,7 @@ __all__ = [
     "TensorDecision",
     "get_method",
     "methods",
+    "optimizer_state_bytes",
     "peak_lower_bound",
     "register",
     "simulate",

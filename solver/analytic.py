@@ -30,6 +30,7 @@ import dataclasses
 from dataclasses import dataclass
 from typing import Any, Mapping
 
+from graphs.actions import TRAINER_ACTIONS, LayerAction
 from solver.errors import SolverError
 
 __all__ = [
@@ -249,6 +250,17 @@ def layer_activation_breakdown(cfg: TransformerConfig) -> dict[str, float]:
     }
 
 
+def _trainer_action(name: "LayerAction | str") -> LayerAction:
+    """The action, one the analytic model prices (:data:`graphs.actions.TRAINER_ACTIONS`)."""
+    try:
+        action = LayerAction(name)
+    except ValueError:
+        action = None
+    if action not in TRAINER_ACTIONS:
+        raise SolverError(f"unknown recompute {name!r}; use " + ", ".join(a.value for a in TRAINER_ACTIONS))
+    return action
+
+
 def layer_activation_bytes(cfg: TransformerConfig, *, recompute: str = "none") -> float:
     """Bytes one layer keeps between its forward and its backward, per micro-batch.
 
@@ -265,17 +277,14 @@ def layer_activation_bytes(cfg: TransformerConfig, *, recompute: str = "none") -
     >>> layer_activation_bytes(c, recompute="selective") == 34 * 8 * 64
     True
     """
+    action = _trainer_action(recompute)
     br = layer_activation_breakdown(cfg)
     total = sum(br.values())
-    if recompute == "none":
-        return total
-    if recompute == "selective":
+    if action == LayerAction.SELECTIVE:
         return total - br["attention_core"]
-    if recompute == "full":
+    if action == LayerAction.FULL:
         return cfg.dtype_bytes * float(cfg.tokens * cfg.hidden_size) / _sp(cfg)
-    if recompute == "offload":
-        return 0.0
-    raise SolverError(f"unknown recompute {recompute!r}; use none, selective, full or offload")
+    return 0.0 if action == LayerAction.OFFLOAD else total
 
 
 def embedding_activation_bytes(cfg: TransformerConfig) -> float:
@@ -407,13 +416,12 @@ def recompute_flops(cfg: TransformerConfig, action: str) -> float:
     """Extra forward FLOPs that one layer's recomputation choice costs per micro-batch:
     0 for ``none`` and ``offload``, the attention core for ``selective``, one more layer
     forward for ``full``."""
-    if action in ("none", "offload"):
-        return 0.0
-    if action == "selective":
+    action = _trainer_action(action)
+    if action == LayerAction.SELECTIVE:
         return attention_core_flops(cfg)
-    if action == "full":
+    if action == LayerAction.FULL:
         return layer_forward_flops(cfg)
-    raise SolverError(f"unknown recompute {action!r}; use none, selective, full or offload")
+    return 0.0
 
 
 def step_flops(cfg: TransformerConfig) -> float:

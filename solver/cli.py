@@ -265,7 +265,7 @@ def cmd_plan(args) -> dict:
 
 
 def cmd_methods(args) -> dict:
-    from solver.registry import methods
+    from solver.solving import methods
 
     rows = [
         {"name": m.name, "family": m.family, "exact": m.exact, "order": m.order, "description": m.description}
@@ -279,7 +279,7 @@ def cmd_methods(args) -> dict:
 
 
 def cmd_solve(args) -> dict:
-    from solver.registry import solve
+    from solver.solving import solve
 
     graph = _load_graph(args.graph)
     peak = _store_all_peak(graph)
@@ -303,7 +303,7 @@ def cmd_solve(args) -> dict:
 def cmd_sweep(args) -> dict:
     from solver.errors import InfeasibleBudget, NoScheduleFound, SolverError
     from solver.methods.minpeak import smallest_feasible_peak
-    from solver.registry import solve
+    from solver.solving import solve
 
     graph = _load_graph(args.graph)
     peak = _store_all_peak(graph)
@@ -383,7 +383,7 @@ def _pyplot():
 
 
 def cmd_show(args) -> dict:
-    from solver.registry import solve
+    from solver.solving import solve
     from solver.simulate import simulate
 
     graph = _load_graph(args.graph)

@@ -36,8 +36,10 @@ from typing import Hashable, Mapping, Sequence
 import numpy as np
 
 from graphs import ComputeGraph
+from graphs.actions import LayerAction
 from solver.errors import InfeasibleBudget, SolverError
-from solver.module_plan import ModulePlan, checkpoint_sequence, checkpoint_view, greedy_block_plan, plan_schedule
+from solver.module_plan import (DEFAULT_ACTIONS, ModulePlan, checkpoint_sequence, checkpoint_view, greedy_block_plan,
+                                plan_schedule)
 from solver.simulate import simulate
 
 __all__ = ["SHARDINGS", "RankBytes", "RankPeak", "shard_bytes", "rank_fixed_bytes", "allgather_bytes",
@@ -313,7 +315,7 @@ def rank_peak(graph: ComputeGraph, sequence: Sequence[Hashable], *, world_size: 
 
 def plan_modules_per_rank(graph: ComputeGraph, budget_bytes: int, *, blocks: Sequence[str], world_size: int,
                           sharding: str = "fsdp", units: Sequence[str] | None = None, optimizer_bytes: int = 0,
-                          prefetch: int = 1, actions: Sequence[str] = ("none", "selective", "full"),
+                          prefetch: int = 1, actions: Sequence[str] = DEFAULT_ACTIONS,
                           time_limit: float | None = None) -> tuple[ModulePlan, RankPeak]:
     """Choose an action per block so that one rank's step fits ``budget_bytes``.
 
@@ -378,7 +380,7 @@ def plan_modules_per_rank(graph: ComputeGraph, budget_bytes: int, *, blocks: Seq
     True
     """
     _check(world_size, sharding)
-    if "offload" in actions:
+    if LayerAction.OFFLOAD in actions:
         raise SolverError("offload is not planned per rank (under FSDP2 save_on_cpu would also move the "
                           "all-gathered parameters); use none / selective / full")
     blocks = list(blocks)

@@ -16,9 +16,10 @@ import logging
 from dataclasses import dataclass, field
 from typing import Any, Callable, Iterable, Sequence
 
+from graphs.actions import ATTENTION_CORE_OPS, TRAINER_ACTIONS, LayerAction
 from graphs.units import format_bytes, format_count
 from solver.errors import SolverError
-from solver.policy import LayerAction, LayerPolicy
+from solver.policy import LayerPolicy
 
 __all__ = [
     "Export",
@@ -37,16 +38,6 @@ log = logging.getLogger(__name__)
 
 #: Values Megatron-Core's ``recompute_modules`` accepts.
 MEGATRON_RECOMPUTE_MODULES = ("core_attn", "moe_act", "layernorm", "mla_up_proj", "mlp", "moe", "shared_experts")
-
-#: ATen op packets that make up the attention core (QK^T, softmax, dropout, attention x V,
-#: fused attention): what selective recomputation recomputes.
-ATTENTION_CORE_OPS = frozenset({
-    "bmm", "baddbmm", "_softmax", "softmax", "_safe_softmax", "native_dropout", "dropout",
-    "_scaled_dot_product_flash_attention", "_scaled_dot_product_flash_attention_for_cpu",
-    "_scaled_dot_product_efficient_attention", "_scaled_dot_product_cudnn_attention",
-    "_scaled_dot_product_attention_math", "_flash_attention_forward", "_efficient_attention_forward",
-})
-
 
 @dataclass
 class Export:
@@ -229,11 +220,13 @@ def apply_hf(model: Any, policy: LayerPolicy) -> Any:
 
 # ------------------------------------------------------------------------ torch SAC
 
-def sac_policy_fn(*, recompute_ops: Iterable[str] = ATTENTION_CORE_OPS) -> Callable:
+def sac_policy_fn(*, recompute_ops: Iterable[str] | None = None) -> Callable:
     """A ``policy_fn(ctx, op, *args, **kwargs) -> CheckpointPolicy`` for
     :func:`torch.utils.checkpoint.create_selective_checkpoint_contexts` that recomputes
-    the attention core (ops whose packet name is in ``recompute_ops``) and saves every
-    other op's output: Korthikanti et al.'s selective recomputation.
+    the attention core and saves every other op's output: Korthikanti et al.'s selective
+    recomputation, the ``selective`` action of :mod:`graphs.actions` (module mode runs
+    the same policy). ``recompute_ops``: other op packet names to recompute instead of
+    :data:`graphs.actions.ATTENTION_CORE_OPS`.
 
     Examples
     --------
@@ -245,16 +238,9 @@ def sac_policy_fn(*, recompute_ops: Iterable[str] = ATTENTION_CORE_OPS) -> Calla
     >>> fn(None, torch.ops.aten.mm.default) == CheckpointPolicy.MUST_SAVE
     True
     """
-    from torch.utils.checkpoint import CheckpointPolicy
+    from graphs.module_mode import selective_policy
 
-    names = frozenset(recompute_ops)
-
-    def policy_fn(ctx, op, *args, **kwargs):
-        packet = getattr(op, "overloadpacket", op)
-        name = getattr(packet, "__name__", str(packet)).split(".")[-1]
-        return CheckpointPolicy.PREFER_RECOMPUTE if name in names else CheckpointPolicy.MUST_SAVE
-
-    return policy_fn
+    return selective_policy(action=LayerAction.SELECTIVE, recompute_ops=recompute_ops)
 
 
 def to_torch_sac(policy: LayerPolicy) -> Export:
@@ -273,7 +259,7 @@ def to_torch_sac(policy: LayerPolicy) -> Export:
         warnings.append("torch SAC's *_CPU_OFFLOAD policies are treated as recompute in eager mode: run the "
                         "'offload' layers under torch.autograd.graph.save_on_cpu instead (apply_hf does)")
     config = {"policy_fn": sac_policy_fn(), "use_reentrant": False,
-              "layers": {a.value: policy.layers_with(a) for a in LayerAction}}
+              "layers": {a.value: policy.layers_with(a) for a in TRAINER_ACTIONS}}
     return Export("torch_sac", config, policy.evaluate(policy.actions), warnings)
 
 

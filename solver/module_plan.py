@@ -3,8 +3,9 @@
 The plan is chosen on the captured DAG, whose nodes carry the ``module`` that ran them:
 checkpointing a block drops the forward values that only the block's own backward reads
 (``torch.utils.checkpoint`` recomputes them; values that code outside the block saves,
-such as the block's output, stay); the selective variant keeps the outputs of
-matmul-like ops. Each candidate plan becomes a sequence
+such as the block's output, stay); the selective variants keep what their rule saves
+(:func:`graphs.actions.saves_output`: ``selective`` all but the attention core,
+``save_matmuls`` the outputs of matmul-like ops). Each candidate plan becomes a sequence
 (:func:`solver.plans.sequence_from_keep`) that the simulator grades; a greedy search
 upgrades the blocks that buy the most memory per unit of extra compute until the step
 fits, then downgrades what the budget no longer needs.
@@ -18,6 +19,7 @@ from dataclasses import dataclass, field
 from typing import Hashable, Iterable, Mapping, Sequence
 
 from graphs import ComputeGraph
+from graphs.actions import CHECKPOINTED, MATMUL_OPS, LayerAction, saves_output
 from solver.errors import InfeasibleBudget, NoScheduleFound
 from solver.plans import sequence_from_keep
 from solver.schedule import Schedule
@@ -28,13 +30,10 @@ __all__ = ["ModulePlan", "checkpoint_view", "plan_modules", "greedy_block_plan",
 
 log = logging.getLogger(__name__)
 
-#: ops whose outputs a selective plan saves (Korthikanti et al.'s "selective": keep the
-#: matmuls, recompute the cheap rest)
-MATMUL_OPS = ("aten.mm", "aten.addmm", "aten.bmm", "aten.baddbmm", "aten.convolution.",
-              "aten._scaled_dot_product", "aten.linear", "aten.matmul")
-
-ACTIONS = ("none", "selective", "full", "offload")
-CHECKPOINTED = ("selective", "full")
+#: the actions a plan may name (:class:`graphs.actions.LayerAction`)
+ACTIONS = tuple(a.value for a in LayerAction)
+#: what :func:`plan_modules` chooses among by default
+DEFAULT_ACTIONS = (LayerAction.NONE.value, LayerAction.SAVE_MATMULS.value, LayerAction.FULL.value)
 
 
 @dataclass
@@ -44,7 +43,7 @@ class ModulePlan:
     Attributes
     ----------
     actions : dict
-        Block name -> ``"none"``, ``"selective"`` or ``"full"``.
+        Block name -> a :class:`graphs.actions.LayerAction` value.
     schedule : Schedule
         Graded by the simulator (``peak_bytes``, ``cost``, ``base_cost``).
     evaluations : int
@@ -85,14 +84,20 @@ def block_nodes(graph: ComputeGraph, block: str) -> tuple[list, list]:
     return fwd, bwd
 
 
+def _copy(graph: ComputeGraph) -> ComputeGraph:
+    """A copy of ``graph`` whose nodes and edges can change, with its capture."""
+    g = ComputeGraph(graph.nx.copy(), name=graph.name, order=graph.order, meta=dict(graph.meta))
+    g.fx, g.capture_info = graph.fx, graph.capture_info
+    return g
+
+
 def checkpoint_view(graph: ComputeGraph, blocks: Sequence[str]) -> ComputeGraph:
     """The graph as eager layer-level checkpointing sees it.
 
     Random ops inside the blocks are recomputable, since ``torch.utils.checkpoint``
     restores the RNG state and draws the same numbers again
     (``preserve_rng_state=True``)."""
-    g = ComputeGraph(graph.nx.copy(), name=graph.name, order=graph.order, meta=dict(graph.meta))
-    g.fx, g.capture_info = graph.fx, graph.capture_info
+    g = _copy(graph)
     for v in g.ops:
         d = g[v]
         if not d["recomputable"] and d["op"] != "tangent" and d["phase"] == "forward":
@@ -107,12 +112,12 @@ def keep_for_plan(graph: ComputeGraph, actions: Mapping[str, str]) -> set:
     forward = set(graph.forward_nodes())
     drop: set = set()
     for block, action in actions.items():
-        if action == "none":
+        if action == LayerAction.NONE:
             continue
         fwd, bwd = block_nodes(graph, block)
         own = set(fwd) | set(bwd)
         for v in fwd:
-            if action == "selective" and str(graph[v]["op"]).startswith(MATMUL_OPS):
+            if saves_output(action, graph[v]["op"]):
                 continue
             # internal to the block: only the block itself reads it (its output, read by
             # the next layer, is what the next layer or the next checkpoint saves)
@@ -135,7 +140,7 @@ def checkpoint_sequence(graph: ComputeGraph, sequence: Sequence[Hashable], actio
     sequence : sequence of node ids
         E.g. :func:`solver.plans.sequence_from_keep` of a module plan.
     actions : mapping
-        Block -> ``"none"``, ``"selective"`` or ``"full"``.
+        Block -> a :class:`graphs.actions.LayerAction` value.
 
     Returns
     -------
@@ -158,7 +163,7 @@ def checkpoint_sequence(graph: ComputeGraph, sequence: Sequence[Hashable], actio
     except StopIteration:
         return out
     for block, action in actions.items():
-        if action == "none":
+        if action == LayerAction.NONE:
             continue
         fwd = set(block_nodes(graph, block)[0])
         pos = [i for i, v in enumerate(out) if i > first_bwd and v in fwd]
@@ -187,6 +192,58 @@ def _offloads(graph: ComputeGraph, sequence: list, blocks: Sequence[str]) -> lis
     return offs
 
 
+SELECTIVE_ACTIONS = (LayerAction.SELECTIVE, LayerAction.SAVE_MATMULS)
+
+
+def _storage_owner(graph: ComputeGraph, v: Hashable) -> Hashable:
+    """The node whose storage ``v`` aliases (``v`` itself when it owns its storage)."""
+    seen = {v}
+    while graph[v].get("alias_of") in graph.nx and graph[v]["alias_of"] not in seen:
+        v = graph[v]["alias_of"]
+        seen.add(v)
+    return v
+
+
+def sac_view(graph: ComputeGraph, actions: Mapping[str, str], sequence: Sequence[Hashable]) -> ComputeGraph:
+    """The graph as selective checkpointing runs ``actions``: torch's SAC caches the
+    output of every op its rule saves (:func:`graphs.actions.saves_output`) from the
+    forward until the block's recomputation, whether or not backward reads it. Each such
+    value reads as an input of the block's first backward op in ``sequence``, so the
+    simulator holds it (and the storage it aliases) that long. Without a selective
+    block, ``graph`` itself.
+
+    Examples
+    --------
+    >>> g = ComputeGraph()
+    >>> for v, op, ph in [("a", "aten.add.Tensor", "forward"), ("b", "aten.bmm.default", "forward"),
+    ...                   ("gb", "aten.mm.default", "backward")]:
+    ...     g.add_node(v, op=op, phase=ph, module="layer", bytes=4)
+    >>> g.add_edge("a", "b"); g.add_edge("b", "gb")
+    >>> sorted(sac_view(g, {"layer": "selective"}, ["a", "b", "gb"]).nx.predecessors("gb"))
+    ['a', 'b']
+    """
+    sac = {b: a for b, a in actions.items() if a in SELECTIVE_ACTIONS}
+    if not sac:
+        return graph
+    at = {v: i for i, v in reversed(list(enumerate(sequence)))}
+    g = _copy(graph)
+    for block, action in sac.items():
+        fwd, bwd = block_nodes(graph, block)
+        bwd = [v for v in bwd if v in at]
+        if not bwd:
+            continue
+        first = min(bwd, key=at.__getitem__)
+        for v in fwd:
+            if graph[v]["op"] == "tangent" or not saves_output(action, graph[v]["op"]):
+                continue
+            owner = _storage_owner(graph, v)  # a cached view holds its base's storage
+            for u in {v, owner}:
+                if graph.is_op(u) and not g.nx.has_edge(u, first):
+                    g.nx.add_edge(u, first)
+    g._invalidate()
+    return g
+
+
 def plan_schedule(graph: ComputeGraph, actions: Mapping[str, str], *, bandwidth: float | None = None):
     """The schedule that a per-block plan runs, and its simulation.
 
@@ -200,7 +257,7 @@ def plan_schedule(graph: ComputeGraph, actions: Mapping[str, str], *, bandwidth:
     """
     ckpt = {b: a for b, a in actions.items() if a in CHECKPOINTED}
     seq = checkpoint_sequence(graph, sequence_from_keep(graph, keep_for_plan(graph, ckpt)), ckpt)
-    off_blocks = [b for b, a in actions.items() if a == "offload"]
+    off_blocks = [b for b, a in actions.items() if a == LayerAction.OFFLOAD]
     offs = []
     if off_blocks:
         if not bandwidth:
@@ -208,7 +265,7 @@ def plan_schedule(graph: ComputeGraph, actions: Mapping[str, str], *, bandwidth:
         offs = _offloads(graph, seq, off_blocks)
     sched = Schedule(sequence=seq, offloads=offs, bandwidth=bandwidth if offs else None, method="module_plan",
                      info={"order": "fixed", "actions": dict(actions)})
-    res = simulate(graph, sched)
+    res = simulate(sac_view(graph, ckpt, seq), sched)
     if not res.valid:  # pragma: no cover - the builders make valid sequences
         raise NoScheduleFound(f"plan {dict(actions)} gives an invalid sequence: {res.error}")
     sched.peak_bytes, sched.cost, sched.base_cost = res.peak_bytes, res.cost, res.base_cost
@@ -220,7 +277,7 @@ def plan_modules(
     budget_bytes: int,
     *,
     blocks: Sequence[str],
-    actions: Iterable[str] = ("none", "selective", "full"),
+    actions: Iterable[str] = DEFAULT_ACTIONS,
     bandwidth: float | None = None,
     time_limit: float | None = None,
 ) -> ModulePlan:
@@ -314,7 +371,7 @@ def greedy_block_plan(blocks: Sequence[str], actions: Iterable[str], budget_byte
     {'a': 'full', 'b': 'none'}
     """
     blocks = list(blocks)
-    allowed = ["none"] + [a for a in actions if a != "none"]
+    allowed = [LayerAction.NONE.value] + [a for a in actions if a != LayerAction.NONE]
     rank = {a: i for i, a in enumerate(allowed)}
     cache: dict[tuple, tuple] = {}
 
@@ -325,7 +382,7 @@ def greedy_block_plan(blocks: Sequence[str], actions: Iterable[str], budget_byte
         return cache[key]
 
     t0 = time.perf_counter()
-    plan = {b: "none" for b in blocks}
+    plan = {b: LayerAction.NONE.value for b in blocks}
     cur = evaluate(plan)
     while cur[0] > budget_bytes:
         if time_limit is not None and time.perf_counter() - t0 > time_limit:

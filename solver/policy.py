@@ -13,7 +13,6 @@ gradients and optimizer state and adds the units it gathers (:mod:`solver.distri
 
 from __future__ import annotations
 
-import enum
 import logging
 import time
 from dataclasses import dataclass, field
@@ -21,6 +20,8 @@ from typing import Any, Sequence
 
 import numpy as np
 
+from graphs.actions import TRAINER_ACTIONS, LayerAction
+from graphs.fixed import charge
 from graphs.hardware import Hardware, get_hardware
 from graphs.units import GiB, format_bytes, format_count
 from solver import analytic
@@ -34,18 +35,6 @@ log = logging.getLogger(__name__)
 
 #: Pipeline schedules whose in-flight micro-batches :func:`policy` counts.
 SCHEDULES = ("1f1b", "gpipe")
-
-
-class LayerAction(str, enum.Enum):
-    """What one transformer layer does with its activations between forward and backward."""
-
-    NONE = "none"            #: keep every activation
-    SELECTIVE = "selective"  #: recompute the attention core (Korthikanti et al. 2022)
-    FULL = "full"            #: keep the layer input, recompute the whole layer
-    OFFLOAD = "offload"      #: move the activations to host memory and back
-
-    def __str__(self) -> str:
-        return self.value
 
 
 # Order in which a stage's layers receive actions: offloaded layers first (their copies
@@ -162,7 +151,7 @@ class LayerPolicy:
 
     def counts(self) -> dict[LayerAction, int]:
         """How many layers take each action."""
-        return {a: sum(1 for x in self.actions if x == a) for a in LayerAction}
+        return {a: sum(1 for x in self.actions if x == a) for a in TRAINER_ACTIONS}
 
     def layers_with(self, action: "LayerAction | str") -> list[int]:
         """Indices of the layers that take ``action``."""
@@ -511,8 +500,8 @@ class GraphPlanner:
     Attributes
     ----------
     graph : ComputeGraph
-        The captured step (``backward="loss"``); ``meta["extra_fixed_bytes"]`` holds the
-        optimizer state.
+        The captured step (``backward="loss"``); its fixed charges
+        (:class:`graphs.fixed.FixedCharges`) hold the optimizer state.
     blocks : list of str
     options : tuple of LayerAction
     """
@@ -559,13 +548,10 @@ class GraphPlanner:
         esize = params[0].element_size() if params else 4
         _, _, o_b = analytic.state_bytes_per_parameter(esize, self.optimizer)
         self.optimizer_bytes = int(numel * o_b)
-        self.graph.meta["extra_fixed_bytes"] = self.optimizer_bytes
-        if self.sharding == "ddp":  # DDP's gradient buckets: one more copy of the gradients
-            g = self.graph
-            self.graph.meta["extra_fixed_bytes"] += sum(
-                g[v]["bytes"] for v in g.ops if g[v]["output"] and g[v]["phase"] == "backward")
-        elif self.sharding == "fsdp":  # rank_peak shards the optimizer state
-            self.graph.meta["extra_fixed_bytes"] = 0
+        # DDP's gradient buckets: one more copy of the gradients; under FSDP2 rank_peak
+        # shards and charges the optimizer state itself
+        charge(self.graph, optimizer=0 if self.sharding == "fsdp" else self.optimizer_bytes,
+               buckets=self.graph.grad_bytes if self.sharding == "ddp" else 0)
         self.options = (LayerAction.NONE, LayerAction.SELECTIVE, LayerAction.FULL) + (
             (LayerAction.OFFLOAD,) if self.allow_offload else ())
         self.base_flops = float(sum(self.graph[v].get("flops", 0) for v in self.graph.ops))

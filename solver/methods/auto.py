@@ -57,7 +57,7 @@ MIN_SLICE = 0.3
 
 
 def _registered(name: str):
-    from solver.registry import methods
+    from solver.registry import registered as methods
 
     info = methods().get(name)
     return info
@@ -110,7 +110,8 @@ def solve_auto(graph: ComputeGraph, budget: int, *, time_limit: float | None = N
     >>> s.method.startswith("auto:"), s.info["auto"]["picked"] == s.method[5:]
     (True, True)
     """
-    from solver.methods.eviction import IndexedGraph, min_memory_order, order_peak
+    from solver.indexed import IndexedGraph, order_peak
+    from solver.methods.eviction import min_memory_order
     from solver.methods.minpeak import min_peak_sequence
 
     t0 = _time.perf_counter()

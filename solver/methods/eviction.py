@@ -26,11 +26,11 @@ from __future__ import annotations
 import logging
 import random
 import time as _time
-from dataclasses import dataclass
 from typing import Sequence
 
 from graphs import ComputeGraph
 from solver.errors import NoScheduleFound
+from solver.indexed import IndexedGraph, order_peak, peak_profile
 from solver.registry import register
 from solver.schedule import Schedule
 
@@ -48,135 +48,6 @@ log = logging.getLogger(__name__)
 
 #: Eviction scores tried by :func:`eviction` (see :func:`evict_sequence`).
 SCORES = ("dtr", "dtr_eq", "dtr_ahead", "belady", "belady_eq", "belady_ahead", "size", "lru")
-
-
-@dataclass
-class IndexedGraph:
-    """The op nodes of a :class:`ComputeGraph` as integers ``0..n-1`` (reference order).
-
-    Attributes
-    ----------
-    ids : list
-        Node id of each index.
-    preds, succs : list of list of int
-        Op inputs and op readers of each index (deduplicated).
-    nbytes : list of int
-    time : list of float
-    workspace : list of int
-    output : list of bool
-        Values that stay resident until the end once computed.
-    pinned : list of bool
-        Values that must never be evicted (outputs and non-recomputable ops).
-    fixed : int
-        Bytes resident for the whole step.
-    recomputable : list of bool
-        ``False`` for ops that must run exactly once (random ops).
-    after : list of list of int
-        Extra ordering predecessors: ops whose first run must come before (from
-        ``graph.meta["ordered"]``, consecutive entries).
-    """
-
-    ids: list
-    preds: list
-    succs: list
-    nbytes: list
-    time: list
-    workspace: list
-    output: list
-    pinned: list
-    fixed: int
-    recomputable: list = None
-    after: list = None
-
-    def __post_init__(self):
-        if self.recomputable is None:
-            self.recomputable = [True] * len(self.ids)
-        if self.after is None:
-            self.after = [[] for _ in self.ids]
-        self.before = [[] for _ in self.ids]
-        for v, ps in enumerate(self.after):
-            for p in ps:
-                self.before[p].append(v)
-
-    @classmethod
-    def of(cls, graph: ComputeGraph) -> "IndexedGraph":
-        """Index ``graph`` (O(nodes + edges))."""
-        ids = list(graph.order)
-        index = {v: i for i, v in enumerate(ids)}
-        preds = [sorted({index[u] for u in graph.op_preds(v)}) for v in ids]
-        succs: list[list[int]] = [[] for _ in ids]
-        for i, ps in enumerate(preds):
-            for p in ps:
-                succs[p].append(i)
-        nodes = graph.nx.nodes
-        output = [bool(nodes[v].get("output", False)) for v in ids]
-        recomputable = [bool(nodes[v].get("recomputable", True)) for v in ids]
-        pinned = [o or not r for r, o in zip(recomputable, output)]
-        after: list[list[int]] = [[] for _ in ids]
-        chain = [index[v] for v in graph.meta.get("ordered") or () if v in index]
-        for a, b in zip(chain, chain[1:]):
-            if a != b:
-                after[b].append(a)
-        return cls(
-            ids=ids,
-            preds=preds,
-            succs=succs,
-            nbytes=[int(nodes[v]["bytes"]) for v in ids],
-            time=[float(nodes[v]["time"]) for v in ids],
-            workspace=[int(nodes[v].get("workspace", 0)) for v in ids],
-            output=output,
-            pinned=pinned,
-            fixed=graph.fixed_bytes,
-            recomputable=recomputable,
-            after=after,
-        )
-
-    def order_preds(self, v: int) -> list[int]:
-        """Ops that must run before ``v`` first runs: data inputs and ordering constraints."""
-        return self.preds[v] + self.after[v] if self.after[v] else self.preds[v]
-
-    def order_succs(self, v: int) -> list[int]:
-        """Ops that must first run after ``v``: data readers and ordering constraints."""
-        return self.succs[v] + self.before[v] if self.before[v] else self.succs[v]
-
-    def is_order(self, order: Sequence[int]) -> bool:
-        """Whether ``order`` runs every op once, inputs and ordering constraints first."""
-        if len(order) != self.n:
-            return False
-        pos = [-1] * self.n
-        for i, v in enumerate(order):
-            if pos[v] >= 0:
-                return False
-            pos[v] = i
-        return all(pos[p] < pos[v] for v in range(self.n) for p in self.order_preds(v))
-
-    @property
-    def n(self) -> int:
-        return len(self.ids)
-
-    def footprint_bound(self) -> int:
-        """Largest bytes any op needs resident by itself (inputs, output, workspace)."""
-        best = 0
-        for v in range(self.n):
-            f = self.nbytes[v] + self.workspace[v] + sum(self.nbytes[p] for p in self.preds[v])
-            best = max(best, f)
-        return best
-
-
-def order_peak(ix: IndexedGraph, order: Sequence[int]) -> int:
-    """Peak bytes (fixed bytes excluded) of running ``order`` once, store-all.
-
-    Same memory model as :func:`solver.simulate` for a sequence without repeats.
-    O(nodes + edges).
-
-    Examples
-    --------
-    >>> from solver.synthetic import chain
-    >>> ix = IndexedGraph.of(chain(3, bytes=[1, 2, 3]))
-    >>> order_peak(ix, [0, 1, 2])
-    5
-    """
-    return max(_peak_profile(ix, order), default=0)
 
 
 class _Fail(Exception):
@@ -729,24 +600,6 @@ def beam_order(
     return order
 
 
-def _peak_profile(ix: IndexedGraph, order: Sequence[int]) -> list[int]:
-    """Bytes in use at each step of ``order`` run once, store-all (fixed bytes excluded)."""
-    pending = [len(s) for s in ix.succs]
-    nb, preds, out, ws = ix.nbytes, ix.preds, ix.output, ix.workspace
-    mem = 0
-    prof = []
-    for v in order:
-        prof.append(mem + nb[v] + ws[v])
-        mem += nb[v]
-        for p in preds[v]:
-            pending[p] -= 1
-            if pending[p] == 0 and not out[p]:
-                mem -= nb[p]
-        if pending[v] == 0 and not out[v]:
-            mem -= nb[v]
-    return prof
-
-
 def improve_order(
     ix: IndexedGraph, order: list[int], *, deadline: float, rng: random.Random, target: int | None = None,
     max_stall: int | None = None,
@@ -761,7 +614,7 @@ def improve_order(
     succs = [ix.order_succs(v) for v in range(n)]
 
     def key(o: list[int]) -> tuple:
-        prof = _peak_profile(ix, o)
+        prof = peak_profile(ix, o)
         pk = max(prof)
         lim = target if target is not None else pk
         over = sum(x - lim for x in prof if x > lim)
@@ -774,7 +627,7 @@ def improve_order(
     while _time.perf_counter() < deadline and stall < max_stall:
         if target is not None and cur_key[0] <= target:
             break
-        prof = _peak_profile(ix, cur)
+        prof = peak_profile(ix, cur)
         pk = max(prof)
         # pick a step near the peak and an op around it to move
         hot = [i for i, x in enumerate(prof) if x >= pk - (pk >> 4)]

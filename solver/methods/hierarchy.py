@@ -190,7 +190,7 @@ def hierarchical(graph: ComputeGraph, budget_bytes: int, *, time_limit: float | 
     True
     """
     from solver.methods.auto import solve_auto
-    from solver.registry import grade
+    from solver.grading import grade
 
     from solver.errors import NoScheduleFound, SolverError
 

@@ -16,13 +16,8 @@ from typing import Hashable
 
 from graphs import ComputeGraph
 from solver.feasibility import peak_lower_bound
-from solver.methods.eviction import (
-    IndexedGraph,
-    evict_sequence,
-    beam_order,
-    min_memory_order,
-    order_peak,
-)
+from solver.indexed import IndexedGraph, order_peak
+from solver.methods.eviction import beam_order, evict_sequence, min_memory_order
 
 __all__ = ["smallest_feasible_peak", "min_peak_sequence"]
 

@@ -45,7 +45,7 @@ import numpy as np
 from graphs import ComputeGraph
 from graphs.hardware import Hardware, get_hardware
 from solver.errors import NoScheduleFound, RematError, SolverError
-from solver.registry import methods as _registered_methods
+from solver.registry import registered as _registered_methods
 from solver.registry import register
 from solver.schedule import Offload, Schedule
 from solver.simulate import simulate

@@ -190,7 +190,7 @@ def ddp_worker(rank: int, world: int, port: int, out_dir: str, mode: str) -> Non
             from graphs.capture import capture
             from graphs.graph_mode import ScheduledStep, wrap_graph_mode
             from solver.distributed import rank_peak
-            from solver.registry import solve
+            from solver.solving import solve
             from solver.simulate import simulate
 
             cg = capture(model, local, backward="outputs", measure_time=False)

@@ -7,7 +7,7 @@ from hypothesis import HealthCheck, given, settings, strategies as st
 import solver
 from graphs import ComputeGraph
 from solver.methods.bruteforce import brute_force_min_peak
-from solver.methods.eviction import IndexedGraph
+from solver.indexed import IndexedGraph
 from solver.methods.minpeak import min_peak_sequence, smallest_feasible_peak
 from tests.paths import BENCHMARK_GRAPHS, needs_benchmark_graphs
 from solver.synthetic import random_training_graph, training_chain

@@ -219,13 +219,13 @@ def test_a_budget_of_the_reported_store_all_peak_needs_no_recomputation():
 
 
 def test_a_planning_step_is_measured_and_leaves_the_model_as_found():
-    from solver.optimize_model import _measured_peak
+    from solver.checks import measured_peak
 
     model, inputs = models.resnet(batch=2, width=4, size=16, blocks=1)  # BatchNorm: buffers move
     before = {k: v.clone() for k, v in model.state_dict().items()}
     cg = capture(model, inputs, backward="outputs", measure_time=False)
     store_all = simulate(cg, cg.order).peak_bytes
-    peak = _measured_peak(model, lambda: model(*inputs), inputs, {})
+    peak = measured_peak(model, lambda: model(*inputs), inputs, {})
     assert store_all * 0.9 < peak < store_all * 1.1
     assert all(p.grad is None for p in model.parameters())
     assert all(torch.equal(before[k], v) for k, v in model.state_dict().items())
@@ -299,7 +299,7 @@ def _stub_report(predicted: int) -> "solver.Report":
 
 
 def test_a_plan_measured_over_the_budget_is_made_again_with_the_excess_as_margin():
-    from solver.optimize_model import _fit_measured
+    from solver.checks import Session, fit_measured
 
     model, x = torch.nn.Linear(8, 8), torch.randn(4, 8)
     temp = 40_000  # bytes a plan's step allocates and its prediction does not count
@@ -307,19 +307,24 @@ def test_a_plan_measured_over_the_budget_is_made_again_with_the_excess_as_margin
     def run(n):  # a step whose plan holds n bytes more, plus the unpredicted temporary
         return lambda: model(x).sum() + torch.zeros((n + temp) // 4).sum()
 
-    state, margins = {}, []
-    base = _fit_measured(model, lambda m: state.update(report=_stub_report(0)) or 0, run, (x,), {}, 2**40, state)
-    base = state["report"].checked_peak_bytes - temp  # the step without the plan's own bytes
+    session, margins = Session(), []
+
+    def stub(margin):
+        session.report = _stub_report(0)
+        return 0
+
+    fit_measured(model, make=stub, run=run, args=(x,), kwargs={}, budget=2**40, session=session)
+    base = session.report.checked_peak_bytes - temp  # the step without the plan's own bytes
     budget = base + 100_000
 
     def make(margin):
         margins.append(margin)
         n = 100_000 - margin + 10_000  # the plan for the whole budget holds 10 kB too many
-        state["report"] = _stub_report(base + n)  # what the simulator would predict
+        session.report = _stub_report(base + n)  # what the simulator would predict
         return n
 
-    n = _fit_measured(model, make, run, (x,), {}, budget, state)
-    rep = state["report"]
+    n = fit_measured(model, make=make, run=run, args=(x,), kwargs={}, budget=budget, session=session)
+    rep = session.report
     assert margins[0] == 0 and len(margins) == 2 and margins[1] >= temp
     assert rep.checked_peak_bytes <= budget < base + 100_000 + 10_000 + temp
     assert any("measured" in note for note in rep.notes)
@@ -327,19 +332,20 @@ def test_a_plan_measured_over_the_budget_is_made_again_with_the_excess_as_margin
 
 
 def test_no_plan_with_room_for_what_the_step_allocates_is_an_infeasible_budget():
-    from solver.optimize_model import _fit_measured
+    from solver.checks import Session, fit_measured
 
     model, x = torch.nn.Linear(8, 8), torch.randn(4, 8)
-    state = {}
+    session = Session()
 
     def make(margin):
         if margin:
             raise InfeasibleBudget(10**6 - margin, 10**6, lower_bound_bytes=10**6)
-        state["report"] = _stub_report(1)
+        session.report = _stub_report(1)
         return None
 
     with pytest.raises(InfeasibleBudget, match="measured peak") as info:
-        _fit_measured(model, make, lambda _: lambda: model(x).sum() + torch.zeros(10_000).sum(), (x,), {}, 1000, state)
+        fit_measured(model, make=make, run=lambda _: lambda: model(x).sum() + torch.zeros(10_000).sum(),
+                     args=(x,), kwargs={}, budget=1000, session=session)
     assert info.value.smallest_feasible_bytes > 10**6
 
 

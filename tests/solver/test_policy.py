@@ -8,6 +8,7 @@ from solver.analytic import (TransformerConfig, backward_workspace_bytes, embedd
                              embedding_parameters, layer_activation_bytes, layer_parameters,
                              loss_workspace_bytes, output_activation_bytes, output_parameters)
 from solver.errors import InfeasibleBudget, SolverError
+from graphs.actions import TRAINER_ACTIONS
 from solver.policy import LayerAction, build_planner, policy
 
 CFG = TransformerConfig(num_layers=8, hidden_size=1024, num_heads=16, vocab_size=32000, seq_len=2048,
@@ -44,7 +45,7 @@ def test_infeasible_names_smallest_budget():
 def test_exact_against_brute_force():
     cfg = CFG.replace(num_layers=4)
     pl = build_planner(cfg, hardware="pcie4")
-    acts = list(LayerAction)
+    acts = list(TRAINER_ACTIONS)
     for frac in (0.3, 0.5, 0.7, 0.9):
         budget = int(pl.min_peak() + frac * (pl.policy_of([LayerAction.NONE] * 4, 0).peak_bytes - pl.min_peak()))
         best = min((pl.policy_of(list(c), budget) for c in itertools.product(acts, repeat=4)),
@@ -70,7 +71,7 @@ def test_1f1b_hand_count_p4():
     acts = [LayerAction.NONE, LayerAction.SELECTIVE, LayerAction.FULL, LayerAction.NONE,
             LayerAction.FULL, LayerAction.FULL, LayerAction.SELECTIVE, LayerAction.NONE]
     p = build_planner(cfg, pipeline_parallel=P).policy_of(acts, 10**12)
-    kept = {a: layer_activation_bytes(cfg, recompute=a.value) for a in LayerAction}
+    kept = {a: layer_activation_bytes(cfg, recompute=a.value) for a in TRAINER_ACTIONS}
     none = kept[LayerAction.NONE]
     per_param = 2 + 2 + 12
     for i, stage in enumerate(p.stages):
@@ -161,6 +162,39 @@ def test_graph_policy_fits_and_uses_simulator(small_gpt):
     assert "captured graph" in str(p) and p.to_dict()["source"] == "graph"
     with pytest.raises(InfeasibleBudget):
         policy(model, 0.5 * full / GiB, example_inputs=inputs, optimizer="none")
+
+
+@pytest.mark.parametrize("actions", [("selective", "none", "full"), ("selective",) * 3, ("save_matmuls",) * 3])
+def test_a_captured_per_layer_plan_is_priced_as_module_mode_runs_it(small_gpt, actions):
+    from graphs.capture import default_loss
+    from graphs.memory import MemoryTracker
+    from graphs.module_mode import apply_module_plan
+    from solver.policy import build_graph_planner
+
+    model, inputs = small_gpt
+    pl = build_graph_planner(model, example_inputs=inputs, optimizer="none")
+    predicted = pl.evaluate([LayerAction(a) for a in actions])[1].peak_bytes
+    fast = apply_module_plan(model, dict(zip(pl.blocks, actions)))
+    for p in model.parameters():
+        p.grad = None
+    with MemoryTracker(fast, inputs) as tracker:
+        out = fast(*inputs)  # held during backward, as a training loop does
+        default_loss(out).backward()
+        del out
+    for p in model.parameters():
+        p.grad = None
+    assert tracker.peak_bytes == pytest.approx(predicted, rel=0.02)
+
+
+def test_the_two_selective_policies_are_priced_apart(small_gpt):
+    from solver.policy import build_graph_planner
+
+    model, inputs = small_gpt
+    pl = build_graph_planner(model, example_inputs=inputs, optimizer="none")
+    core = pl.evaluate([LayerAction.SELECTIVE] * 3)
+    matmuls = pl.evaluate([LayerAction.SAVE_MATMULS] * 3)
+    assert core[1].peak_bytes != matmuls[1].peak_bytes
+    assert core[1].cost != matmuls[1].cost
 
 
 def test_graph_policy_offload_and_bad_options(small_gpt):

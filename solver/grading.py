@@ -1,0 +1,70 @@
+"""Budgets and grades: the checks every schedule passes, whatever method made it.
+
+:func:`check_budget` refuses a budget below the smallest feasible peak (naming it);
+:func:`grade` fills a schedule's cost and peak from :func:`solver.simulate`, the one
+judge, and rejects an invalid one or one over its budget.
+"""
+
+from __future__ import annotations
+
+import math
+
+from graphs import ComputeGraph
+from solver.errors import BudgetNotReached, InfeasibleBudget, SolverError
+from solver.feasibility import peak_lower_bound
+from solver.schedule import Schedule
+from solver.simulate import simulate
+
+__all__ = ["check_budget", "grade", "infeasible"]
+
+
+def check_budget(graph: ComputeGraph, budget_bytes: float) -> int:
+    """Validate a budget: a plain ValueError for nonsense, InfeasibleBudget below the bound."""
+    try:
+        b = float(budget_bytes)
+    except (TypeError, ValueError):
+        raise ValueError(f"budget must be a number of bytes, got {budget_bytes!r}") from None
+    if math.isnan(b) or b <= 0:
+        raise ValueError(f"budget must be a positive number of bytes, got {budget_bytes!r}")
+    if math.isinf(b):
+        b = float(2**62)
+    budget = int(b)
+    lb, culprit = peak_lower_bound(graph)
+    if budget < lb:
+        raise infeasible(graph, budget)
+    return budget
+
+
+def infeasible(graph: ComputeGraph, budget: int) -> InfeasibleBudget:
+    from solver.methods.minpeak import smallest_feasible_peak
+
+    found, lb, culprit = smallest_feasible_peak(graph)
+    name = graph[culprit].get("name") or graph[culprit].get("op") if culprit is not None else None
+    cls = InfeasibleBudget if budget < lb else BudgetNotReached
+    return cls(
+        budget, found, lower_bound_bytes=lb, culprit=culprit, culprit_name=f"{culprit!r} ({name})" if name else None
+    )
+
+
+def grade(graph: ComputeGraph, schedule: Schedule, budget: int | None, *, solve_seconds: float | None = None) -> Schedule:
+    """Fill ``cost``/``peak_bytes``/``base_cost`` from the simulator; reject invalid results."""
+    result = simulate(graph, schedule)
+    if not result.valid:
+        raise SolverError(f"method {schedule.method!r} returned an invalid schedule: {result.error}")
+    if budget is not None and result.peak_bytes > budget:
+        raise SolverError(
+            f"method {schedule.method!r} returned a schedule that peaks at {result.peak_bytes} B, "
+            f"over the budget of {budget} B (a solver bug; please report it)"
+        )
+    schedule.cost = result.cost
+    schedule.peak_bytes = result.peak_bytes
+    schedule.base_cost = result.base_cost
+    schedule.budget_bytes = budget
+    if schedule.lower_bound is not None and schedule.lower_bound > result.cost * (1 + 1e-9) + 1e-9:
+        raise SolverError(
+            f"method {schedule.method!r} claims a lower bound {schedule.lower_bound} above the cost "
+            f"{result.cost} of its own schedule (a solver bug)"
+        )
+    if solve_seconds is not None:
+        schedule.solve_seconds = solve_seconds
+    return schedule

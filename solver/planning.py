@@ -1,0 +1,300 @@
+"""Planning one training step for :func:`solver.optimize`: capture it, charge what it
+holds besides its graph, and solve a plan at tensor level (graph mode) or layer level
+(module mode), each ending in a :class:`solver.report.Report` and a runnable step.
+
+:func:`plan_step` is the planner the drop-in module calls once per input signature
+(:func:`graphs.planned.wrap_planned`).
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+from dataclasses import dataclass
+from typing import Any, Callable
+
+from torch import nn
+
+from graphs import CaptureError, ComputeGraph, RematError
+from graphs.capture import capture
+from graphs.compute_graph import BACKWARD_START
+from graphs.fixed import charge
+from graphs.graph_mode import ScheduledStep
+from graphs.module_mode import layer_blocks
+from graphs.planned import ModuleStep
+from graphs.rewrite import replay_random_ops
+from solver.checks import Session, capture_inputs, fit_measured, measured_peak, self_check
+from solver.errors import SolverError
+from solver.fixed import SEED_RESERVE, untracked_bytes
+from solver.module_plan import plan_modules
+from solver.grading import check_budget
+from solver.solving import solve
+from solver.report import Report
+from solver.schedule import Schedule
+from solver.simulate import simulate
+
+__all__ = ["Captured", "Request", "plan_step"]
+
+log = logging.getLogger(__name__)
+
+#: graph mode's fallbacks, in order, for an ``auto`` schedule that fails the self-check
+FALLBACKS = ("order_search", "chain_dp", "checkpoint_all")
+
+
+@dataclass(frozen=True)
+class Request:
+    """What one :func:`solver.optimize` call asks of every plan it makes."""
+
+    mode: str
+    budget: int  # step bytes; an activation budget is read as ``activation_budget``
+    activation_budget: bool = False
+    method: str = "auto"
+    time_limit: float | None = None
+    compiler: str = "eager"
+    self_check: bool = True
+    blocks: list[str] | None = None
+    measure_time: bool | None = None
+    optimizer_bytes: int = 0
+    dp: Any = None  # solver.data_parallel.DataParallel
+
+
+@dataclass(frozen=True)
+class Captured:
+    """One captured step, charged, with the budget it is planned for."""
+
+    graph: ComputeGraph
+    budget: int
+    activation_budget: int | None
+    store_all: int
+    capture_seconds: float
+    solve_start: float
+
+
+def plan_step(model: nn.Module, args: tuple, kwargs: dict, *, request: Request, session: Session) -> Any:
+    """Capture, solve and check one step of ``model`` on ``(args, kwargs)``; the step to
+    run (graph mode: a :class:`graphs.graph_mode.ScheduledStep` or the eager forward;
+    module mode: a :class:`graphs.planned.ModuleStep`), its report in ``session``."""
+    cap = capture_step(model, args, kwargs, request=request)
+    if request.mode == "graph":
+        def make(margin: int) -> Any:
+            return plan_graph_checked(model, args, kwargs, cap=cap, request=request, session=session, margin=margin)
+    else:
+        def make(margin: int) -> Any:
+            return plan_module(model, cap=cap, request=request, session=session, margin=margin)
+    if request.dp is not None:  # a step runs collectives: verify() measures it on every rank
+        step = make(0)
+        request.dp.annotate(session.report)
+    else:
+        step = fit_measured(model, make=make, run=lambda s: lambda: s(model, args, kwargs), args=args,
+                            kwargs=kwargs, budget=cap.budget, session=session)
+    session.publish()
+    log.info("%s", session.report)
+    return step
+
+
+def capture_step(model: nn.Module, args: tuple, kwargs: dict, *, request: Request) -> Captured:
+    """The captured step with its fixed charges, and the budget in step bytes."""
+    t0 = time.perf_counter()
+    try:
+        cg = capture(model, capture_inputs(args, kwargs), backward="outputs", measure_time=request.measure_time,
+                     inplace="functional" if request.mode == "graph" else "alias")
+    except CaptureError as exc:
+        if request.mode == "graph" and "mode='module'" not in str(exc):
+            raise CaptureError(f"{exc} (graph mode needs one graph of the step; mode='module' "
+                               "plans at layer level instead)") from exc
+        raise
+    charge(cg, optimizer=request.optimizer_bytes, seed=SEED_RESERVE)
+    if request.dp is not None:
+        request.dp.charge(cg)
+    if request.mode == "module":  # eager autograd; AOTAutograd's runtime materializes zero tangents
+        backward_from_loss(cg)
+    capture_s = time.perf_counter() - t0
+    budget, act_budget = int(request.budget), None
+    if request.activation_budget:
+        act_budget = budget
+        budget = budget + cg.fixed_bytes + cg.grad_bytes
+    return Captured(graph=cg, budget=budget, activation_budget=act_budget, store_all=simulate(cg, cg.order).peak_bytes,
+                    capture_seconds=capture_s, solve_start=time.perf_counter())
+
+
+def backward_from_loss(cg: ComputeGraph) -> None:
+    """When the model returns a scalar loss among its outputs (an HF ``ModelOutput`` with
+    ``loss``), training steps call ``loss.backward()``: the other outputs' gradients never
+    arrive, so their tangents take no memory. The outputs themselves stay resident (a
+    training loop usually holds the output object during backward)."""
+    tangents = [v for v in cg.ops if cg[v]["op"] == "tangent"]
+    scalar = [t for t in tangents if cg[t].get("grad_of") in cg.nx and cg[cg[t]["grad_of"]]["bytes"] <= 8]
+    if scalar and len(scalar) < len(tangents):
+        for t in tangents:
+            if t not in scalar:
+                cg[t]["bytes"] = 0
+        cg.meta["backward_from"] = "loss"
+
+
+# ---------------------------------------------------------------- graph mode
+
+def plan_graph_checked(model: nn.Module, args: tuple, kwargs: dict, *, cap: Captured, request: Request,
+                       session: Session, margin: int) -> Any:
+    """Graph mode's plan, its rewrite checked against the original's gradients."""
+    def original_peak() -> int | None:
+        return measured_peak(model, lambda: type(model).forward(model, *args, **kwargs), args, kwargs)
+
+    out = plan_graph(cap=cap, request=request, session=session, method=request.method, margin=margin,
+                     original_peak=original_peak)
+    if not isinstance(out, ScheduledStep) or not request.self_check or self_check(
+            model, out, args=args, kwargs=kwargs, session=session):
+        return out
+    # a rewrite that does not give the model's gradients is never handed out
+    first = session.report.method
+    if request.method == "auto":
+        for fallback in FALLBACKS:
+            try:
+                cand = plan_graph(cap=cap, request=request, session=session, method=fallback, margin=margin)
+            except RematError:
+                continue
+            if not isinstance(cand, ScheduledStep) or self_check(model, cand, args=args, kwargs=kwargs,
+                                                                 session=session):
+                session.report.notes.append(f"the {first} schedule failed the gradient self-check; using {fallback}")
+                return cand
+    raise SolverError(f"the graph-mode rewrite ({first}) does not reproduce the model's gradients on the example "
+                      "batch; use mode='module' (please report this)")
+
+
+def plan_graph(*, cap: Captured, request: Request, session: Session, method: str, margin: int = 0,
+               original_peak: Callable[[], int | None] | None = None) -> Any:
+    """Plan for ``cap.budget - margin`` (``margin``: what a step measured beyond its
+    plan) with ``method``; ``original_peak`` measures one eager step of the original
+    model. The report goes to ``session``; returns the step."""
+    cg = cap.graph
+    replay_random_ops(cg)  # the rewrite replays the generator state of a random op it runs again
+    store_all = simulate(cg, cg.order).peak_bytes  # with the generator states it keeps
+    target = cap.budget - margin
+    check_budget(cg, target)  # raises InfeasibleBudget naming the smallest feasible peak
+    if target >= store_all and method == "auto":
+        schedule = solve(cg, target, method="store_all")
+    else:
+        schedule = solve(cg, target, method=method, time_limit=request.time_limit)
+    eager = schedule.sequence == list(cg.order)  # the original forward runs it as it is
+    checked = original_peak() if eager and original_peak is not None else None
+    if checked is not None:
+        checked += untracked_bytes(cg)
+    over = checked is not None and checked > cap.budget
+    eager = eager and not over  # else the captured store-all schedule, whose memory is the plan's
+    schedule = one_run_per_op(cg, schedule, target)  # (moves views: not a reason to rewrite)
+    solve_s = time.perf_counter() - cap.solve_start
+    if eager:
+        step = EagerStep()
+    else:
+        step = ScheduledStep(cg, schedule.sequence, compiler=request.compiler,
+                             headroom=headroom(cg, schedule, target) if request.compiler != "eager" else 0)
+    session.report = _graph_report(cap=cap, schedule=schedule, store_all=store_all, solve_seconds=solve_s)
+    _graph_notes(session.report, step=step, eager=eager, over=over, checked=checked, compiler=request.compiler)
+    return step
+
+
+def _graph_report(*, cap: Captured, schedule: Schedule, store_all: int, solve_seconds: float) -> Report:
+    from solver.methods.minpeak import smallest_feasible_peak
+
+    cg = cap.graph
+    low = smallest_feasible_peak(cg)[0]
+    return Report(
+        mode="graph", method=schedule.method, budget_bytes=cap.budget, predicted_peak_bytes=schedule.peak_bytes,
+        store_all_peak_bytes=store_all, smallest_feasible_bytes=min(low, store_all),
+        predicted_overhead=schedule.overhead, predicted_extra_seconds=extra_seconds(cg, schedule), gap=schedule.gap,
+        solve_seconds=solve_seconds, capture_seconds=cap.capture_seconds,
+        decisions=schedule.table(cg, limit=25), budget_kind="activations" if cap.activation_budget else "step",
+        activation_budget_bytes=cap.activation_budget,
+        recomputed=sum(1 for c in schedule.counts().values() if c > 1), graph=cg, schedule=schedule,
+    )
+
+
+def _graph_notes(report: Report, *, step: Any, eager: bool, over: bool, checked: int | None, compiler: str) -> None:
+    if eager and checked is not None:
+        report.checked_peak_bytes = int(checked)
+    if eager:
+        report.notes.append("the store-all schedule fits: the step runs the original forward, no recomputation")
+    elif over:
+        report.notes.append("the store-all schedule fits, but the original forward measured over the budget (it "
+                            "allocates temporaries the captured graph does not have): the step runs the captured "
+                            "graph, no recomputation")
+    elif compiler != "eager":
+        n = step.inductor_graphs
+        report.notes.append(f"{compiler} compiled {n.get('forward', 0)} segments of the forward graph and "
+                            f"{n.get('backward', 0)} of the backward; the rest runs as plain fx code")
+
+
+def extra_seconds(cg: ComputeGraph, schedule: Schedule) -> float | None:
+    """Seconds of recomputation the schedule adds, when the op times are measured ones."""
+    return schedule.extra_cost if cg.meta.get("time_source") == "measured" else None
+
+
+def headroom(cg: ComputeGraph, schedule: Schedule, budget: int) -> tuple[int, int]:
+    """Bytes a compiler may add to the schedule's peak of the forward graph and of the
+    backward graph without going over ``budget``."""
+    curve = simulate(cg, schedule).memory_curve
+    seq = schedule.sequence
+    k = seq.index(BACKWARD_START) if BACKWARD_START in seq else len(seq)
+    fw = int(curve[:k].max()) if k else 0
+    bw = int(curve[k:].max()) if k < len(seq) else int(curve.max())
+    return max(0, budget - max(fw, 0)), max(0, budget - bw)
+
+
+def one_run_per_op(cg: ComputeGraph, schedule: Schedule, budget: int) -> Schedule:
+    """Compute the outputs of a multi-output op in one run where the budget allows (a
+    schedule that splits them would run the op again for each), and take the output
+    gradients together where the backward starts and views where they are read, as the
+    rewrite runs them."""
+    from solver.plans import group_projection_runs, tangents_together, views_just_in_time
+    from solver.grading import grade
+
+    together = views_just_in_time(cg, tangents_together(cg, schedule.sequence))
+    if together != schedule.sequence:  # never needs more memory at any step
+        schedule = grade(cg, Schedule(sequence=together, method=schedule.method, lower_bound=schedule.lower_bound,
+                                      info=dict(schedule.info)), budget, solve_seconds=schedule.solve_seconds)
+    seq = group_projection_runs(cg, schedule.sequence)
+    if seq == schedule.sequence:
+        return schedule
+    r = simulate(cg, seq)
+    if not r.valid or r.peak_bytes > budget:
+        return schedule
+    regrouped = Schedule(sequence=seq, method=schedule.method, lower_bound=schedule.lower_bound,
+                         info=dict(schedule.info, regrouped=True))
+    return grade(cg, regrouped, budget, solve_seconds=schedule.solve_seconds)
+
+
+class EagerStep:
+    """The original forward (the store-all schedule needs no rewrite)."""
+
+    def __call__(self, model: nn.Module, args: tuple, kwargs: dict) -> Any:
+        return type(model).forward(model, *args, **kwargs)
+
+
+# ---------------------------------------------------------------- module mode
+
+def plan_module(model: nn.Module, *, cap: Captured, request: Request, session: Session, margin: int = 0) -> ModuleStep:
+    """Module mode's plan for ``cap.budget - margin``: an action per layer block."""
+    names = request.blocks or layer_blocks(model)
+    dp = request.dp
+    budget, store_all = cap.budget, cap.store_all
+    if dp is not None and dp.sharding == "fsdp":
+        # the whole-model fixed bytes are not what a rank holds: plan on the rank's peak
+        mp, rp = dp.plan_fsdp(cap.graph, budget, names=names, optimizer_bytes=request.optimizer_bytes,
+                              time_limit=request.time_limit)
+        sched, cg, predicted = mp.schedule, mp.graph, rp.peak_bytes
+        store_all = dp.rank_store_all(cg, names=names, optimizer_bytes=request.optimizer_bytes)
+    else:
+        check_budget(cap.graph, budget - margin)
+        mp = plan_modules(cap.graph, budget - margin, blocks=names, time_limit=request.time_limit)
+        sched = mp.schedule
+        cg = mp.graph  # random ops inside the blocks are recomputed there (RNG state restored)
+        predicted = simulate(cg, sched).peak_bytes
+    sched.budget_bytes = budget
+    session.report = Report(
+        mode="module", method="module_plan", budget_bytes=budget, predicted_peak_bytes=predicted,
+        store_all_peak_bytes=store_all, smallest_feasible_bytes=min(store_all, predicted),
+        predicted_overhead=sched.overhead, predicted_extra_seconds=extra_seconds(cg, sched), gap=None,
+        solve_seconds=time.perf_counter() - cap.solve_start, capture_seconds=cap.capture_seconds,
+        decisions=mp.table(), budget_kind="activations" if cap.activation_budget else "step",
+        activation_budget_bytes=cap.activation_budget, graph=cg, schedule=sched,
+    )
+    return ModuleStep(model, mp.actions, plan=mp)
