@@ -10,7 +10,7 @@ from typing import Any
 from graphs.units import format_bytes
 from solver.errors import InfeasibleBudget
 from solver.policy import (LayerAction, LayerPolicy, _check_graph_options, _wants_graph, budget_bytes_of,
-                           build_graph_planner, build_planner)
+                           build_graph_planner, build_planner, check_batch_options)
 
 __all__ = ["Estimate", "estimate"]
 
@@ -168,6 +168,7 @@ def estimate(model_or_config: Any, gpu_gb: float, *, seq_len: int | None = None,
     True
     """
     budget = budget_bytes_of(gpu_gb, reserved_bytes)
+    check_batch_options(seq_len=seq_len, micro_batch=micro_batch)
     if _wants_graph(model_or_config, options.pop("via", "auto")):
         return _estimate_graph(model_or_config, budget, seq_len=seq_len, micro_batch=micro_batch,
                                max_seq_cap=max_seq_cap, max_batch_cap=max_batch_cap, **options)

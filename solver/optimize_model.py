@@ -207,6 +207,18 @@ def optimize(
     return wrapper
 
 
+def _check_model(model: nn.Module) -> None:
+    """Refuse, before any work, a model that no plan can serve."""
+    if not isinstance(model, nn.Module):
+        raise TypeError(f"model must be a torch.nn.Module, got {type(model).__name__}")
+    if "remat_steps" in model.__dict__:
+        raise ValueError("this module was returned by solver.optimize already; call optimize on the original "
+                         "model (its plans are made per input signature and autocast state on their own)")
+    if not any(p.requires_grad for p in model.parameters()):
+        raise ValueError(f"{type(model).__name__} has no parameter that requires a gradient, so its training "
+                         "step has no backward to plan; unfreeze parameters, or run it under torch.no_grad()")
+
+
 def _request(model: nn.Module, budget_gb: float, *, mode: str, method: str, time_limit: float | None,
              compiler: str, activation_budget: bool, optimizer: torch.optim.Optimizer | None, self_check: bool,
              blocks: list[str] | None, measure_time: bool | None, world_size: int | None, mesh: Any,
@@ -232,8 +244,9 @@ def _request(model: nn.Module, budget_gb: float, *, mode: str, method: str, time
         budget_bytes = float(budget_gb) * GiB
     except (TypeError, ValueError):
         raise ValueError(f"budget_gb must be a number of GiB, got {budget_gb!r}") from None
-    if not budget_bytes > 0 or math.isnan(budget_bytes):
-        raise ValueError(f"budget_gb must be a positive number of GiB, got {budget_gb!r}")
+    if not budget_bytes > 0 or not math.isfinite(budget_bytes):
+        raise ValueError(f"budget_gb must be a positive, finite number of GiB, got {budget_gb!r}")
+    _check_model(model)
     opt_bytes = optimizer_state_bytes(optimizer, model)
     if dp is not None:
         dp.optimizer_bytes = opt_bytes

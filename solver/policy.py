@@ -14,6 +14,8 @@ gradients and optimizer state and adds the units it gathers (:mod:`solver.distri
 from __future__ import annotations
 
 import logging
+import math
+import numbers
 import time
 from dataclasses import dataclass, field
 from typing import Any, Sequence
@@ -28,7 +30,7 @@ from solver import analytic
 from solver.analytic import TransformerConfig
 from solver.errors import InfeasibleBudget, SolverError
 
-__all__ = ["LayerAction", "LayerOption", "StagePlan", "LayerPolicy", "policy", "build_planner", "budget_bytes_of",
+__all__ = ["LayerAction", "LayerOption", "StagePlan", "LayerPolicy", "policy", "build_planner", "budget_bytes_of", "check_batch_options",
            "SCHEDULES", "GraphPlanner", "build_graph_planner", "layer_blocks", "hf_example_inputs"]
 
 log = logging.getLogger(__name__)
@@ -768,9 +770,27 @@ def budget_bytes_of(gpu_gb: float, reserved_bytes: int = 0) -> int:
     >>> budget_bytes_of(1.5)
     1610612736
     """
-    if not gpu_gb or gpu_gb <= 0:
-        raise SolverError(f"gpu_gb must be positive, got {gpu_gb!r}")
+    if isinstance(gpu_gb, bool) or not isinstance(gpu_gb, numbers.Real) or not math.isfinite(gpu_gb) or gpu_gb <= 0:
+        raise SolverError(f"gpu_gb must be a positive, finite number of GiB, got {gpu_gb!r}")
     return int(gpu_gb * GiB) - int(reserved_bytes)
+
+
+def check_batch_options(*, seq_len: Any = None, micro_batch: Any = None) -> None:
+    """Refuse a sequence length or micro-batch that is not a positive whole number.
+
+    Examples
+    --------
+    >>> check_batch_options(seq_len=1024, micro_batch=8)
+    >>> check_batch_options(micro_batch=2.5)
+    Traceback (most recent call last):
+    ...
+    solver.errors.SolverError: micro_batch must be a positive whole number, got 2.5
+    """
+    for name, value in (("seq_len", seq_len), ("micro_batch", micro_batch)):
+        if value is None:
+            continue
+        if isinstance(value, bool) or not isinstance(value, numbers.Integral) or value <= 0:
+            raise SolverError(f"{name} must be a positive whole number, got {value!r}")
 
 
 def policy(model_or_config: Any, gpu_gb: float, *, seq_len: int | None = None, micro_batch: int | None = None,
@@ -885,6 +905,7 @@ def policy(model_or_config: Any, gpu_gb: float, *, seq_len: int | None = None, m
     True
     """
     budget = budget_bytes_of(gpu_gb, reserved_bytes)
+    check_batch_options(seq_len=seq_len, micro_batch=micro_batch)
     if _wants_graph(model_or_config, via):
         _check_graph_options(tensor_parallel=tensor_parallel, pipeline_parallel=pipeline_parallel, dtype=dtype,
                              sequence_parallel=sequence_parallel, num_microbatches=num_microbatches,

@@ -11,7 +11,7 @@ from solver import InfeasibleBudget, NoScheduleFound, simulate
 from solver.bounds import forced_recompute_bound
 from solver.methods import milp
 from solver.methods.bruteforce import brute_force_fixed
-from solver.registry import get_method
+from solver.solving import get_method
 from solver.synthetic import budget_between, random_training_graph, small_graph
 from tests.paths import BENCHMARK_GRAPHS
 

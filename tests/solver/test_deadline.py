@@ -9,7 +9,7 @@ import pytest
 from solver.deadline import Deadline, OutOfTime
 from solver.errors import NoScheduleFound
 from solver.methods.auto import solve_auto
-from solver.registry import get_method, methods
+from solver.solving import get_method, methods
 from solver.simulate import simulate
 from solver.synthetic import random_training_graph
 

@@ -225,3 +225,47 @@ def test_gradient_accumulation_over_micro_batches(mode):
     ref, ref2 = copy.deepcopy(model), copy.deepcopy(model)
     fast = solver.optimize(model, 0.7 * _store_all(model, micro[0]) / GiB, micro[0], mode=mode, measure_time=False)
     _assert_same(*(_accumulated(m, micro) for m in (fast, ref, ref2)))
+
+
+@pytest.mark.parametrize("budget", [float("inf"), float("nan"), -1.0, 0, "lots"])
+def test_a_budget_that_is_no_size_is_refused_before_any_work(budget):
+    model, inputs = models.mlp(batch=4, d_in=8, hidden=16, depth=2)
+    with pytest.raises(ValueError, match="budget_gb must be"):
+        solver.optimize(model, budget, inputs)
+    assert "forward" not in model.__dict__
+
+
+def test_a_model_without_trainable_parameters_is_refused():
+    model, inputs = models.mlp(batch=4, d_in=8, hidden=16, depth=2)
+    model.requires_grad_(False)
+    with pytest.raises(ValueError, match="no parameter that requires a gradient"):
+        solver.optimize(model, 1.0, inputs)
+
+
+def test_optimizing_an_optimized_module_is_refused():
+    model, inputs = models.mlp(batch=4, d_in=8, hidden=16, depth=2)
+    fast = solver.optimize(model, 1.0, inputs, measure_time=False)
+    with pytest.raises(ValueError, match="returned by solver.optimize already"):
+        solver.optimize(fast, 1.0, inputs)
+
+
+@pytest.mark.parametrize("gpu_gb", [float("nan"), float("inf"), "24", 0])
+def test_policy_and_estimate_refuse_a_device_size_that_is_no_size(gpu_gb):
+    from solver.analytic import TransformerConfig
+    from solver.errors import SolverError
+
+    cfg = TransformerConfig(num_layers=4, hidden_size=256, num_heads=4, vocab_size=1000, seq_len=128)
+    for fn in (solver.policy, solver.estimate):
+        with pytest.raises(SolverError, match="gpu_gb must be a positive, finite number"):
+            fn(cfg, gpu_gb)
+
+
+@pytest.mark.parametrize("micro_batch", [0, 2.5, -1])
+def test_policy_and_estimate_refuse_a_micro_batch_that_is_no_count(micro_batch):
+    from solver.analytic import TransformerConfig
+    from solver.errors import SolverError
+
+    cfg = TransformerConfig(num_layers=4, hidden_size=256, num_heads=4, vocab_size=1000, seq_len=128)
+    for fn in (solver.policy, solver.estimate):
+        with pytest.raises(SolverError, match="micro_batch must be a positive whole number"):
+            fn(cfg, 24.0, micro_batch=micro_batch)
