@@ -47,16 +47,6 @@ def split_inputs(example_inputs: Any) -> tuple[tuple, dict]:
     return (example_inputs,), {}
 
 
-def capture_inputs(args: tuple, kwargs: dict) -> tuple | dict:
-    """The example inputs in the form :func:`graphs.capture` takes."""
-    if kwargs and args:
-        from graphs import CaptureError
-
-        raise CaptureError("pass the example inputs either as a tuple of positional arguments or "
-                           "as a dict of keyword arguments, not both")
-    return kwargs if kwargs else args
-
-
 def not_real(args: tuple, kwargs: dict) -> bool:
     """Whether the example inputs are meta or fake tensors (nothing can run on them)."""
     flat = [t for t in (list(args) + list(kwargs.values())) if isinstance(t, torch.Tensor)]
@@ -89,7 +79,7 @@ def measured_peak(model: nn.Module, run: Callable[[], Any], args: tuple, kwargs:
     Gradients, buffers and the RNG are left as found."""
     if not_real(args, kwargs):
         return None  # nothing real to run
-    with step_undone(model), MemoryTracker(model, capture_inputs(args, kwargs)) as tracker:
+    with step_undone(model), MemoryTracker(model, (args, kwargs)) as tracker:
         out = run()  # held during backward, as verify does
         default_loss(out).backward()
         del out
@@ -144,7 +134,7 @@ def reproduces(model: nn.Module, step: Callable, args: tuple, kwargs: dict) -> t
         return True, None  # nothing real to run
     params = list(model.parameters())
     results = []
-    tracker = MemoryTracker(model, capture_inputs(args, kwargs))
+    tracker = MemoryTracker(model, (args, kwargs))
     for run, tracked in ((lambda: step(model, args, kwargs), tracker),
                          (lambda: type(model).forward(model, *args, **kwargs), contextlib.nullcontext())):
         with step_undone(model):

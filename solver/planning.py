@@ -23,7 +23,7 @@ from graphs.graph_mode import ScheduledStep
 from graphs.module_mode import layer_blocks
 from graphs.planned import ModuleStep
 from graphs.rewrite import replay_random_ops
-from solver.checks import Session, capture_inputs, fit_measured, measured_peak, self_check
+from solver.checks import Session, fit_measured, measured_peak, self_check
 from solver.errors import SolverError
 from solver.fixed import SEED_RESERVE, untracked_bytes
 from solver.module_plan import plan_modules
@@ -96,7 +96,7 @@ def capture_step(model: nn.Module, args: tuple, kwargs: dict, *, request: Reques
     """The captured step with its fixed charges, and the budget in step bytes."""
     t0 = time.perf_counter()
     try:
-        cg = capture(model, capture_inputs(args, kwargs), backward="outputs", measure_time=request.measure_time,
+        cg = capture(model, args, example_kwargs=kwargs, backward="outputs", measure_time=request.measure_time,
                      inplace="functional" if request.mode == "graph" else "alias")
     except CaptureError as exc:
         if request.mode == "graph" and "mode='module'" not in str(exc):

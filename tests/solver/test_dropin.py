@@ -269,3 +269,18 @@ def test_policy_and_estimate_refuse_a_micro_batch_that_is_no_count(micro_batch):
     for fn in (solver.policy, solver.estimate):
         with pytest.raises(SolverError, match="micro_batch must be a positive whole number"):
             fn(cfg, 24.0, micro_batch=micro_batch)
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("mode", ["graph", "module"])
+def test_positional_example_inputs_then_calls_that_add_keywords(mode):
+    model, inputs = ZOO["hf_llama"]()
+    ids, labels = inputs["input_ids"], inputs["labels"]
+    ref = copy.deepcopy(model)
+    budget = 0.9 * max(_store_all(model, (ids,)), _store_all(model, inputs))  # room for both calls
+    fast = solver.optimize(model, budget / GiB, (ids,), mode=mode, measure_time=False)
+    for m in (fast, ref):
+        torch.manual_seed(0)
+        m(ids, labels=labels).loss.backward()  # as HF users write it
+    assert all(torch.equal(a.grad, b.grad) for a, b in zip(model.parameters(), ref.parameters()))
+    assert len(fast.remat_steps) == 2  # a plan for the logits-only call and one for the call with labels
