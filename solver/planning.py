@@ -8,10 +8,11 @@ holds besides its graph, and solve a plan at tensor level (graph mode) or layer 
 
 from __future__ import annotations
 
+import contextlib
 import logging
 import time
 from dataclasses import dataclass
-from typing import Any, Callable
+from typing import Any, Callable, Iterator
 
 from torch import nn
 
@@ -73,7 +74,32 @@ class Captured:
 def plan_step(model: nn.Module, args: tuple, kwargs: dict, *, request: Request, session: Session) -> Any:
     """Capture, solve and check one step of ``model`` on ``(args, kwargs)``; the step to
     run (graph mode: a :class:`graphs.graph_mode.ScheduledStep` or the eager forward;
-    module mode: a :class:`graphs.planned.ModuleStep`), its report in ``session``."""
+    module mode: a :class:`graphs.planned.ModuleStep`), its report in ``session``.
+
+    A training step is planned, whatever mode the model is in now (a model in ``eval()``
+    at optimize time trains later): every module is in training mode while planning and
+    is put back as it was afterwards."""
+    with training_mode(model) as was_eval:
+        step = _plan_step(model, args, kwargs, request=request, session=session)
+    if was_eval:
+        session.report.notes.append("planned for training: the model was in eval() when planned, and is again")
+    return step
+
+
+@contextlib.contextmanager
+def training_mode(model: nn.Module) -> Iterator[bool]:
+    """Every module of ``model`` in training mode inside the block, each put back as it
+    was after it; yields whether any module was in eval mode."""
+    flags = [(m, m.training) for m in model.modules()]
+    model.train()
+    try:
+        yield not all(flag for _, flag in flags)
+    finally:
+        for m, flag in flags:
+            m.training = flag
+
+
+def _plan_step(model: nn.Module, args: tuple, kwargs: dict, *, request: Request, session: Session) -> Any:
     cap = capture_step(model, args, kwargs, request=request)
     if request.mode == "graph":
         def make(margin: int) -> Any:

@@ -284,3 +284,19 @@ def test_positional_example_inputs_then_calls_that_add_keywords(mode):
         m(ids, labels=labels).loss.backward()  # as HF users write it
     assert all(torch.equal(a.grad, b.grad) for a, b in zip(model.parameters(), ref.parameters()))
     assert len(fast.remat_steps) == 2  # a plan for the logits-only call and one for the call with labels
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("mode", ["graph", "module"])
+def test_a_model_in_eval_at_optimize_time_is_planned_for_training(mode):
+    model, inputs = _encoder()  # dropout: the eval graph would hold less than training does
+    ref, ref2 = copy.deepcopy(model), copy.deepcopy(model)
+    budget = 0.7 * _store_all(model, inputs)
+    model.eval()
+    model.layers[1].train()  # a mix of flags, as after freezing a part by hand
+    flags = [m.training for m in model.modules()]
+    fast = solver.optimize(model, budget / GiB, inputs, mode=mode, measure_time=False)
+    assert [m.training for m in model.modules()] == flags  # put back as it was
+    assert any("planned for training" in n for n in fast.report.notes)
+    fast.train()
+    _assert_same(*(_steps(m, inputs) for m in (fast, ref, ref2)))
