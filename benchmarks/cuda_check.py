@@ -42,20 +42,6 @@ FRACTIONS = (0.7, 0.5, 0.3)
 MODES = ("graph", "module")
 
 
-class EncoderStack(nn.Module):
-    def __init__(self, d: int = 512, heads: int = 8, layers: int = 6, dropout: float = 0.1) -> None:
-        super().__init__()
-        self.layers = nn.ModuleList(
-            nn.TransformerEncoderLayer(d, heads, 4 * d, dropout=dropout, batch_first=True, norm_first=True)
-            for _ in range(layers))
-
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        mask = nn.Transformer.generate_square_subsequent_mask(x.shape[1], device=x.device)
-        for layer in self.layers:
-            x = layer(x, src_mask=mask, is_causal=True)
-        return x
-
-
 def _zoo(device: str) -> dict:
     """name -> () -> (model, inputs, loss_of(output))."""
     from examples import models
@@ -84,8 +70,8 @@ def _zoo(device: str) -> dict:
         return Logits(), (idx,), lambda out: F.cross_entropy(out.flatten(0, 1), targets.to(out.device).flatten())
 
     def encoder():
-        torch.manual_seed(0)
-        return EncoderStack(), (torch.randn(16, 512, 512),), lambda out: out.float().square().mean()
+        model, inputs = models.encoder_stack(layers=6, d=512, heads=8, seq=512, batch=16)
+        return model, inputs, lambda out: out.float().square().mean()
 
     def hf_gpt2():
         model, inputs = models.hf_gpt2(n_layer=6, d=512, seq=512, batch=8)

@@ -297,6 +297,33 @@ def data_dependent(*, batch: int = 4, d: int = 16, seed: int = 0):
     return DataDependent(d), (torch.randn(batch, d),)
 
 
+class EncoderStack(nn.Module):
+    """torch's own ``TransformerEncoderLayer`` stack with dropout and a causal mask, as
+    people write it (pre-norm, batch first), behind a linear input projection."""
+
+    def __init__(self, d: int = 32, heads: int = 4, layers: int = 3, dropout: float = 0.1) -> None:
+        super().__init__()
+        self.embed = nn.Linear(d, d)
+        self.layers = nn.ModuleList(
+            nn.TransformerEncoderLayer(d, heads, 4 * d, dropout=dropout, batch_first=True, norm_first=True)
+            for _ in range(layers))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        mask = nn.Transformer.generate_square_subsequent_mask(x.shape[1], device=x.device)
+        x = self.embed(x)
+        for layer in self.layers:
+            x = layer(x, src_mask=mask, is_causal=True)
+        return x
+
+
+def encoder_stack(*, layers: int = 3, d: int = 32, heads: int = 4, seq: int = 32, batch: int = 8,
+                  dropout: float = 0.1, seed: int = 0):
+    """A stack of ``nn.TransformerEncoderLayer`` with dropout; returns the output (the loss
+    is the caller's)."""
+    torch.manual_seed(seed)
+    return EncoderStack(d, heads, layers, dropout).train(), (torch.randn(batch, seq, d),)
+
+
 ZOO: dict[str, Callable[..., tuple[nn.Module, Any]]] = {
     "mlp": mlp,
     "resnet": resnet,
@@ -307,4 +334,5 @@ ZOO: dict[str, Callable[..., tuple[nn.Module, Any]]] = {
     "hf_llama": hf_llama,
     "inplace_mlp": inplace_mlp,
     "multi_input": multi_input,
+    "encoder_stack": encoder_stack,
 }

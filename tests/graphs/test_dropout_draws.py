@@ -4,9 +4,9 @@ from __future__ import annotations
 
 import pytest
 import torch
-from torch import nn
 
 import solver
+from examples import models
 from graphs.capture import _eager_noise, capture, default_loss
 from graphs.graph_mode import ScheduledStep
 from solver.simulate import simulate
@@ -25,22 +25,6 @@ def test_noise_is_eager_noise_for_any_layout(shape, dims):
     assert torch.equal(ours, eager)
 
 
-class EncoderStack(nn.Module):
-    """torch's own encoder layers with dropout and a causal mask, as people write it."""
-
-    def __init__(self, d: int = 32, heads: int = 4, layers: int = 2, dropout: float = 0.1) -> None:
-        super().__init__()
-        self.layers = nn.ModuleList(
-            nn.TransformerEncoderLayer(d, heads, 4 * d, dropout=dropout, batch_first=True, norm_first=True)
-            for _ in range(layers))
-
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        mask = nn.Transformer.generate_square_subsequent_mask(x.shape[1])
-        for layer in self.layers:
-            x = layer(x, src_mask=mask, is_causal=True)
-        return x
-
-
 def _loss_and_grads(model, run):
     torch.manual_seed(7)
     for p in model.parameters():
@@ -52,9 +36,7 @@ def _loss_and_grads(model, run):
 
 @pytest.mark.parametrize("method", ["store_all", "checkpoint_all"])
 def test_transformer_encoder_layers_with_dropout_match_eager_bitwise(method):
-    torch.manual_seed(0)
-    model = EncoderStack().train()
-    x = torch.randn(4, 16, 32)
+    model, (x,) = models.encoder_stack(layers=2, seq=16, batch=4)
     cg = capture(model, (x,), backward="outputs", inplace="functional", measure_time=False)
     random_ops = [v for v in cg.ops if "bernoulli" in str(cg[v]["op"])]
     assert len(random_ops) == 8  # attention, two residual and one feed-forward dropout per layer

@@ -7,7 +7,6 @@ import copy
 
 import pytest
 import torch
-from torch import nn
 
 import solver
 from examples import models
@@ -72,27 +71,8 @@ def _assert_same(got, want, twice, *, bf16=False):
             assert same(a, b), exact
 
 
-class EncoderStack(nn.Module):
-    """torch's own encoder layers with dropout and a causal mask, as people write it."""
-
-    def __init__(self, d: int = 32, heads: int = 4, layers: int = 3, dropout: float = 0.1) -> None:
-        super().__init__()
-        self.embed = nn.Linear(d, d)
-        self.layers = nn.ModuleList(
-            nn.TransformerEncoderLayer(d, heads, 4 * d, dropout=dropout, batch_first=True, norm_first=True)
-            for _ in range(layers))
-
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        mask = nn.Transformer.generate_square_subsequent_mask(x.shape[1])
-        x = self.embed(x)
-        for layer in self.layers:
-            x = layer(x, src_mask=mask, is_causal=True)
-        return x
-
-
 def _encoder():
-    torch.manual_seed(0)
-    return EncoderStack().train(), (torch.randn(8, 32, 32),)
+    return models.encoder_stack()
 
 
 ZOO = {
