@@ -404,7 +404,10 @@ def capture(
     measure_time : bool, optional
         Time every op on the real device (fastest of ``repeats`` after a warm-up run of
         the graph).
-        Default: when the inputs and parameters are real tensors.
+        Default: when the inputs and parameters are real tensors. Op workspaces (what
+        an op allocates beyond its outputs) are measured whenever the tensors are real,
+        by one run of the graph under the allocator's judge, and estimated per op family
+        on fake or meta tensors (``cg.meta["workspace_source"]``).
     repeats : int
         Timed runs per op when measuring.
     name : str, optional
@@ -508,17 +511,18 @@ def capture(
     storage = costs.annotate_storage(gm)
     costs.annotate_flops(gm)
     placeholders = [n for n in gm.graph.nodes if n.op == "placeholder"]
-    if measure_time:
+    if not measure_time:
+        costs.annotate_roofline_time(gm, hw)
+    if real:
         values = _real_placeholder_values(placeholders, step, user_flat)
         cuda = sorted({t.device.index or 0 for t in tensors + state if t.device.type == "cuda"})
-        # timing runs the random ops too: the generators end as they were
+        # timing and measuring run the random ops too: the generators end as they were
         with no_autocast(), torch.random.fork_rng(devices=cuda):
-            costs.annotate_measured_time(gm, values, repeats=repeats)
+            if measure_time:
+                costs.annotate_measured_time(gm, values, repeats=repeats)
             costs.annotate_measured_workspace(gm, values)
     else:
-        costs.annotate_roofline_time(gm, hw)
-        if not real:
-            costs.annotate_estimated_workspace(gm)
+        costs.annotate_estimated_workspace(gm)
 
     cg = _build(gm, storage, name=name or type(model).__name__, shared=_shared_sources(placeholders, step))
     cg.meta.update({
@@ -714,8 +718,8 @@ def _build(gm: torch.fx.GraphModule, storage: dict, *, name: str, shared: dict[s
     cg.meta["ordered"] = [n for n in order if n in cg.nx and cg[n]["op"] not in ("tangent", BACKWARD_START)
                           and not cg[n]["recomputable"] and cg[n].get("group") is None]
     cg.order = [n for n in order if n in cg.nx]
-    # op workspaces: "measured" (real tensors, timed), "estimated" (per op family, fake or
-    # meta tensors) or "none" (real tensors, not timed: the live tensors alone)
+    # op workspaces: "measured" (real tensors: one profiled run of the graph) or
+    # "estimated" (per op family, fake or meta tensors)
     cg.meta["workspace_source"] = gm.meta.get("remat_workspace_source", "none")
     return cg
 

@@ -36,14 +36,15 @@ from __future__ import annotations
 
 import logging
 import weakref
-from typing import Any, Iterable
+from typing import Any, Callable, Iterable
 
 import torch
 
 from graphs.errors import RematError
-from graphs.torch_internals import TorchDispatchMode, allocation_events, profiler_running, tree_leaves
+from graphs.torch_internals import (TorchDispatchMode, allocation_events, labelled_spans, profiler_running,
+                                   tree_leaves)
 
-__all__ = ["AllocatorPeak", "MemoryTracker", "SavedTensorCounter", "measure_peak", "peak_of_events"]
+__all__ = ["AllocatorPeak", "judge_available", "settle_open_judges", "MemoryTracker", "SavedTensorCounter", "measure_peak", "peak_of_events"]
 
 log = logging.getLogger(__name__)
 
@@ -177,6 +178,31 @@ def _judged_device(tensors: list[torch.Tensor], device: Any) -> torch.device:
     return torch.device("cpu")
 
 
+_CUT = "remat.judge::cut"
+#: cut measurements still open, by id: the call that closes each
+_CLOSE_LATER: dict[int, Callable[[], None]] = {}
+
+
+def settle_open_judges() -> None:
+    """Close every cut measurement left open (:meth:`AllocatorPeak.close_later`)."""
+    while _CLOSE_LATER:
+        _, close = _CLOSE_LATER.popitem()
+        close()
+
+
+def judge_available(*roots: Any, device: str | torch.device | None = None) -> bool:
+    """Whether :class:`AllocatorPeak` can measure now on the device of ``roots``: always
+    on an accelerator; on CPU, unless another torch profiler is running.
+
+    Examples
+    --------
+    >>> judge_available(torch.ones(2))
+    True
+    """
+    settle_open_judges()
+    return _judged_device(_tensors_of(roots), device).type != "cpu" or not profiler_running()
+
+
 class AllocatorPeak:
     """Peak bytes of a ``with`` block by the allocator, plus the roots that existed before.
 
@@ -250,8 +276,53 @@ class AllocatorPeak:
         self.baseline_bytes = 0
         self.allocated_bytes = 0
         self.tracked_peak_bytes: int | None = None
+        self._cut: tuple[int, int] | None = None
+
+    def cut(self) -> None:
+        """End the measured span now, before the ``with`` block (or the explicit
+        ``__exit__``) ends: what happens after it is not counted. For a span that ends
+        inside a backward pass, where a CPU profiler cannot be stopped (the autograd
+        engine puts the profiler state back when the pass ends): on CPU it records a
+        marker that ``__exit__`` cuts the events at; on an accelerator it reads the
+        statistics now.
+
+        Examples
+        --------
+        >>> judge = AllocatorPeak()
+        >>> with judge:
+        ...     a = torch.empty(1000)
+        ...     judge.cut()
+        ...     b = torch.empty(5000)
+        >>> judge.peak_bytes
+        4000
+        """
+        if self._cut is not None:
+            return
+        if self.device.type == "cpu":
+            with torch.profiler.record_function(_CUT):
+                pass
+            self._cut = (0, 0)
+        else:
+            stats = torch.cuda if self.device.type == "cuda" else torch.accelerator
+            stats.synchronize(self.device)
+            self._cut = (int(stats.max_memory_allocated(self.device)) - self._start,
+                         int(stats.memory_allocated(self.device)) - self._start)
+
+    @property
+    def is_cut(self) -> bool:
+        """Whether :meth:`cut` ended the measured span."""
+        return self._cut is not None
+
+    def close_later(self, close: Callable[[], None]) -> None:
+        """Leave a cut measurement open until ``close()`` is called, by its owner or, at
+        the latest, by the next :class:`AllocatorPeak` to start (or
+        :func:`judge_available`): the CPU profiler a cut span leaves running is then
+        stopped first."""
+        _CLOSE_LATER[id(self)] = close
 
     def __enter__(self) -> "AllocatorPeak":
+        settle_open_judges()
+        self._cut = None
         tensors = _tensors_of(self._roots)
         self.device = device = _judged_device(tensors, self._device_arg)
         seen: dict[tuple, int] = {}
@@ -279,6 +350,7 @@ class AllocatorPeak:
         return self
 
     def __exit__(self, *exc: Any) -> None:
+        _CLOSE_LATER.pop(id(self), None)
         if self._tracker is not None:
             self._tracker.__exit__(*exc)
             self.tracked_peak_bytes = int(self._tracker.peak_bytes)
@@ -286,8 +358,13 @@ class AllocatorPeak:
         if self.device.type == "cpu":
             self._prof.__exit__(*exc)
             events = allocation_events(self._prof)
+            if self._cut is not None:
+                end = min((start for _, start, _ in labelled_spans(self._prof, _CUT)), default=None)
+                events = [e for e in events if end is None or e[0] < end]
             self._prof = None
             peak, net = peak_of_events(b for _, b, dev in events if dev == "cpu")
+        elif self._cut is not None:
+            peak, net = self._cut
         else:
             stats = torch.cuda if self.device.type == "cuda" else torch.accelerator
             stats.synchronize(self.device)
