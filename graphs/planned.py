@@ -105,8 +105,9 @@ def wrap_planned(model: nn.Module, planner: Planner) -> nn.Module:
 
     def plan_now(args: tuple, kwargs: dict) -> Any:
         step = steps[input_signature(args, kwargs)] = planner(model, args, kwargs)
-        if isinstance(step, ModuleStep):
-            wrapper.remat_plan = step.actions
+        actions = getattr(step, "actions", None)  # a module-mode step, perhaps wrapped
+        if actions is not None:
+            wrapper.remat_plan = actions
         return step
 
     @functools.wraps(original_forward)

@@ -403,3 +403,14 @@ def labelled_spans(prof: Any, prefix: str) -> list[tuple[str, int, int]]:
            if e.name().startswith(prefix)]
     out.sort(key=lambda ev: ev[1])
     return out
+
+
+# ---------------------------------------------------------------- autograd engine
+__all__ += ["at_backward_end"]
+
+
+def at_backward_end(callback: Any) -> None:
+    """Run ``callback()`` once the backward pass that is running now has finished (the
+    autograd engine's final callbacks, as FSDP uses them). Call it from a hook that
+    runs during backward."""
+    torch.autograd.Variable._execution_engine.queue_callback(callback)

@@ -15,7 +15,7 @@ import torch
 from torch import nn
 
 from graphs.capture import default_loss
-from graphs.memory import MemoryTracker
+from graphs.memory import AllocatorPeak, judge_available
 from graphs.units import format_bytes
 from solver.errors import InfeasibleBudget, SolverError
 from solver.fixed import untracked_bytes
@@ -31,6 +31,7 @@ class Session:
 
     report: Report | None = None
     modules: list = field(default_factory=list)
+    loss_fn: Callable[[Any], Any] | None = None  # the user's loss, when optimize was given one
 
     def publish(self) -> None:
         """Show the latest report on every module of the call."""
@@ -73,21 +74,24 @@ def step_undone(model: nn.Module):
                 b.copy_(v)
 
 
-def measured_peak(model: nn.Module, run: Callable[[], Any], args: tuple, kwargs: dict) -> int | None:
-    """Peak bytes of one training step ``run()`` (forward, default loss, backward) of
-    ``model``, measured by the live-tensor tracker; None for meta or fake inputs.
-    Gradients, buffers and the RNG are left as found."""
-    if not_real(args, kwargs):
-        return None  # nothing real to run
-    with step_undone(model), MemoryTracker(model, (args, kwargs)) as tracker:
+def measured_peak(model: nn.Module, run: Callable[[], Any], args: tuple, kwargs: dict, *,
+                  loss_fn: Callable[[Any], Any] | None = None) -> int | None:
+    """Peak bytes of one training step ``run()`` (forward, ``loss_fn`` or the default
+    loss, backward) of ``model``, by the allocator (:class:`graphs.memory.AllocatorPeak`,
+    parameters, buffers and inputs included); None for meta or fake inputs, and on CPU
+    inside another torch profiler. Gradients, buffers and the RNG are left as found."""
+    if not_real(args, kwargs) or not judge_available(model, (args, kwargs)):
+        return None  # nothing real to run, or no judge
+    with step_undone(model), AllocatorPeak(model, (args, kwargs)) as judge:
         out = run()  # held during backward, as verify does
-        default_loss(out).backward()
+        (loss_fn or default_loss)(out).backward()
         del out
-    return int(tracker.peak_bytes)
+    return int(judge.peak_bytes)
 
 
 def fit_measured(model: nn.Module, *, make: Callable[[int], Any], run: Callable[[Any], Callable[[], Any]],
-                 args: tuple, kwargs: dict, budget: int, session: Session, tries: int = 3) -> Any:
+                 args: tuple, kwargs: dict, budget: int, session: Session, tries: int = 3,
+                 loss_fn: Callable[[Any], Any] | None = None, held_back: int = 0) -> Any:
     """Plan, measure one step of the plan, and plan again with a margin while the
     measured peak is over ``budget``.
 
@@ -95,15 +99,16 @@ def fit_measured(model: nn.Module, *, make: Callable[[int], Any], run: Callable[
     eager forward's temporaries that capture decomposes away, the buffers a compiled
     segment allocates inside it. The margin is what the step measured beyond its plan.
     ``make(margin)`` plans for ``budget - margin`` and sets ``session.report``;
-    ``run(plan)`` is one step of a plan.
+    ``run(plan)`` is one step of a plan. ``held_back``: the margin to start from (what a
+    real step measured beyond an earlier plan).
     """
-    out, margin = make(0), 0
+    out, margin = make(held_back), held_back
     for attempt in range(tries):
         report = session.report
         extra = untracked_bytes(report.graph)
         peak = report.checked_peak_bytes
         if peak is None:
-            measured = measured_peak(model, run(out), args, kwargs)
+            measured = measured_peak(model, run(out), args, kwargs, loss_fn=loss_fn)
             if measured is None:
                 return out
             peak = report.checked_peak_bytes = measured + extra
@@ -125,30 +130,57 @@ def fit_measured(model: nn.Module, *, make: Callable[[int], Any], run: Callable[
                       "ask for a larger budget")
 
 
-def reproduces(model: nn.Module, step: Callable, args: tuple, kwargs: dict) -> tuple[bool, int | None]:
+def reproduces(model: nn.Module, step: Callable, args: tuple, kwargs: dict, *,
+               loss_fn: Callable[[Any], Any] | None = None) -> tuple[bool, int | None]:
     """One step of the rewrite against eager on the example batch: whether it gives the
-    same loss and gradients (to float tolerance), and the rewrite's peak measured by the
-    live-tensor tracker (None for meta or fake inputs). Gradients, buffers and the RNG
-    are left as found."""
+    same loss and gradients (to float tolerance), and the rewrite's peak by the
+    allocator (None for meta or fake inputs). Gradients, buffers and the RNG are left as
+    found."""
     if not_real(args, kwargs):
         return True, None  # nothing real to run
     params = list(model.parameters())
     results = []
-    tracker = MemoryTracker(model, (args, kwargs))
-    for run, tracked in ((lambda: step(model, args, kwargs), tracker),
-                         (lambda: type(model).forward(model, *args, **kwargs), contextlib.nullcontext())):
+    judge = AllocatorPeak(model, (args, kwargs)) if judge_available(model, (args, kwargs)) else None
+    reference = reference_step(model)
+    for run, judged in ((lambda: step(model, args, kwargs), judge or contextlib.nullcontext()),
+                        (lambda: reference(model, args, kwargs), contextlib.nullcontext())):
         with step_undone(model):
             torch.manual_seed(1234)
-            with tracked:
+            with judged:
                 out = run()  # held during backward, as verify does
-                loss = default_loss(out)
+                loss = (loss_fn or default_loss)(out)
                 loss.backward()
                 del out
             results.append((loss.detach(), [None if p.grad is None else p.grad.detach().clone() for p in params]))
     (la, ga), (lb, gb) = results
     compiled = getattr(step, "compiler", "eager") != "eager"
     same = _close(la, lb, compiled) and all(_close(x, y, compiled) for x, y in zip(ga, gb))
-    return same, int(tracker.peak_bytes)
+    return same, None if judge is None else int(judge.peak_bytes)
+
+
+def reference_step(model: nn.Module) -> Callable[[nn.Module, tuple, dict], Any]:
+    """The step a rewrite's gradients are checked against: the model's own forward with
+    every layer block under non-reentrant checkpointing, which gives eager's loss and
+    gradients (the recomputation replays the generator state) in a fraction of the
+    plain step's memory, so that checking a plan does not need the memory the plan
+    saves. A model without a ``ModuleList`` or ``Sequential`` of layers runs its plain
+    forward.
+
+    Examples
+    --------
+    >>> net = nn.Sequential(nn.Linear(4, 4), nn.ReLU(), nn.Linear(4, 1))
+    >>> x = torch.randn(2, 4)
+    >>> torch.equal(reference_step(net)(net, (x,), {}), net(x))
+    True
+    """
+    from graphs.module_mode import layer_blocks
+    from graphs.planned import ModuleStep
+
+    blocks = layer_blocks(model)
+    parent = model.get_submodule(blocks[0].rpartition(".")[0]) if blocks else None
+    if not isinstance(parent, (nn.ModuleList, nn.Sequential)):
+        return lambda m, args, kwargs: type(m).forward(m, *args, **kwargs)
+    return ModuleStep(model, {b: "full" for b in blocks})
 
 
 def _close(x: torch.Tensor | None, y: torch.Tensor | None, compiled: bool) -> bool:
@@ -163,10 +195,11 @@ def _close(x: torch.Tensor | None, y: torch.Tensor | None, compiled: bool) -> bo
     return bool(diff <= 1e-2 * torch.linalg.vector_norm(y.double()) + 1e-6)
 
 
-def self_check(model: nn.Module, step: Callable, *, args: tuple, kwargs: dict, session: Session) -> bool:
+def self_check(model: nn.Module, step: Callable, *, args: tuple, kwargs: dict, session: Session,
+               loss_fn: Callable[[Any], Any] | None = None) -> bool:
     """Whether the rewrite ``step`` reproduces the model's gradients on the example batch;
     its measured peak (the same step) goes to the session's report."""
-    same, peak = reproduces(model, step, args, kwargs)
+    same, peak = reproduces(model, step, args, kwargs, loss_fn=loss_fn)
     if peak is not None:
         session.report.checked_peak_bytes = peak + untracked_bytes(session.report.graph)
     return same

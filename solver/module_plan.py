@@ -404,8 +404,13 @@ def greedy_block_plan(blocks: Sequence[str], actions: Iterable[str], budget_byte
             break
         _, plan, cur = best
     if cur[0] > budget_bytes:
-        smallest = min(evaluate({b: a for b in blocks})[0] for a in allowed)
-        return plan, cur, min(smallest, cur[0]), len(cache)
+        # the greedy path can miss a uniform plan that fits: the smallest peak named to
+        # the caller is one of them, and asking for it must succeed
+        uniform = [({b: a for b in blocks}, evaluate({b: a for b in blocks})) for a in allowed]
+        fitting = [(p, c) for p, c in uniform if c[0] <= budget_bytes]
+        if not fitting:
+            return plan, cur, min(min(c[0] for _, c in uniform), cur[0]), len(cache)
+        plan, cur = min(fitting, key=lambda pc: pc[1][1])
     improved = True
     while improved:  # downgrade what the budget no longer needs
         improved = False

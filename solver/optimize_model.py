@@ -25,7 +25,7 @@ from __future__ import annotations
 
 import functools
 import math
-from typing import Any
+from typing import Any, Callable
 
 import torch
 from torch import nn
@@ -39,6 +39,7 @@ from solver.fixed import optimizer_state_bytes
 from solver.planning import Request, plan_step
 from solver.report import Report
 from solver.verification import SESSION, verify, verify_into
+from solver.watch import WATCH
 
 __all__ = ["optimize", "verify", "Report", "optimizer_state_bytes"]
 
@@ -62,6 +63,8 @@ def optimize(
     sharding: str | None = None,
     sharding_options: dict | None = None,
     compiler: str = "eager",
+    loss_fn: Callable[[Any], torch.Tensor] | None = None,
+    watch: str = "auto",
 ) -> nn.Module:
     """Return a drop-in module whose training step fits ``budget_gb``.
 
@@ -148,6 +151,21 @@ def optimize(
         of the plan checks what inductor allocates beyond that); random ops, and the
         ops where a segment would not fit, run as plain fx code. Compiling takes
         seconds to minutes on CPU and needs a C++ compiler there. Single process only.
+    loss_fn : callable, optional
+        The loss the training loop computes from the model's output, ``loss_fn(output)
+        -> scalar`` (bind the targets: ``lambda out: F.cross_entropy(out.flatten(0, 1),
+        targets.flatten())``). The plan then holds the loss's own memory (what it keeps
+        for its backward, the output's gradient), measured on the example batch; the
+        module is still called and the loss computed as before. Not needed when the
+        model returns its loss (an HF model given ``labels``). Without it, and when the
+        output is not a scalar, the report says the loss is outside the plan.
+    watch : {"auto", "first", "every", "off"}
+        When the returned module measures its real training step by the allocator, from
+        its forward to the end of its backward, the loss included (one process):
+        ``"auto"``, every step on an accelerator (its peak statistics cost nothing) and
+        the first step of each plan on CPU (the profiler's allocation events); a step
+        over the budget makes the next call plan again with the excess held back, with
+        a warning and a report note (``report.step_peak_bytes``).
 
     Returns
     -------
@@ -186,8 +204,9 @@ def optimize(
     request = _request(model, budget_gb, mode=mode, method=method, time_limit=time_limit, compiler=compiler,
                        activation_budget=activation_budget, optimizer=optimizer, self_check=self_check,
                        blocks=blocks, measure_time=measure_time, world_size=world_size, mesh=mesh,
-                       sharding=sharding, sharding_options=sharding_options, planned_now=example_inputs is not None)
-    session = Session()
+                       sharding=sharding, sharding_options=sharding_options, planned_now=example_inputs is not None,
+                       loss_fn=loss_fn, watch=watch)
+    session = Session(loss_fn=loss_fn)
     planner = functools.partial(plan_step, request=request, session=session)
     if request.dp is not None:  # planned now, on this rank's batch, then wrapped for the rank
         args, kwargs = split_inputs(example_inputs)
@@ -222,8 +241,13 @@ def _check_model(model: nn.Module) -> None:
 def _request(model: nn.Module, budget_gb: float, *, mode: str, method: str, time_limit: float | None,
              compiler: str, activation_budget: bool, optimizer: torch.optim.Optimizer | None, self_check: bool,
              blocks: list[str] | None, measure_time: bool | None, world_size: int | None, mesh: Any,
-             sharding: str | None, sharding_options: dict | None, planned_now: bool) -> Request:
+             sharding: str | None, sharding_options: dict | None, planned_now: bool,
+             loss_fn: Callable[[Any], torch.Tensor] | None, watch: str) -> Request:
     """The options of :func:`optimize`, read and checked before anything is captured."""
+    if loss_fn is not None and not callable(loss_fn):
+        raise TypeError(f"loss_fn must be a callable output -> scalar loss, got {type(loss_fn).__name__}")
+    if watch not in WATCH:
+        raise ValueError(f"watch must be one of {WATCH}, got {watch!r}")
     if mode not in ("graph", "module"):
         raise ValueError(f"mode must be 'graph' or 'module', got {mode!r}")
     if compiler not in COMPILERS:
@@ -252,4 +276,5 @@ def _request(model: nn.Module, budget_gb: float, *, mode: str, method: str, time
         dp.optimizer_bytes = opt_bytes
     return Request(mode=mode, budget=int(budget_bytes), activation_budget=activation_budget, method=method,
                    time_limit=time_limit, compiler=compiler, self_check=self_check, blocks=blocks,
-                   measure_time=measure_time, optimizer_bytes=opt_bytes, dp=dp)
+                   measure_time=measure_time, optimizer_bytes=opt_bytes, dp=dp, loss_fn=loss_fn,
+                   watch=watch)

@@ -20,6 +20,7 @@ from graphs import CaptureError, ComputeGraph, RematError
 from graphs.capture import capture
 from graphs.compute_graph import BACKWARD_START
 from graphs.fixed import charge
+from graphs.loss import charge_loss
 from graphs.graph_mode import ScheduledStep
 from graphs.module_mode import layer_blocks
 from graphs.planned import ModuleStep
@@ -33,6 +34,7 @@ from solver.solving import solve
 from solver.report import Report
 from solver.schedule import Schedule
 from solver.simulate import simulate
+from solver.watch import WatchedStep
 
 __all__ = ["Captured", "Request", "plan_step"]
 
@@ -57,6 +59,8 @@ class Request:
     measure_time: bool | None = None
     optimizer_bytes: int = 0
     dp: Any = None  # solver.data_parallel.DataParallel
+    loss_fn: Callable[[Any], Any] | None = None  # the user's loss on the model's output
+    watch: str = "auto"  # when the real step is measured (solver.watch.WATCH)
 
 
 @dataclass(frozen=True)
@@ -71,19 +75,28 @@ class Captured:
     solve_start: float
 
 
-def plan_step(model: nn.Module, args: tuple, kwargs: dict, *, request: Request, session: Session) -> Any:
-    """Capture, solve and check one step of ``model`` on ``(args, kwargs)``; the step to
-    run (graph mode: a :class:`graphs.graph_mode.ScheduledStep` or the eager forward;
-    module mode: a :class:`graphs.planned.ModuleStep`), its report in ``session``.
+def plan_step(model: nn.Module, args: tuple, kwargs: dict, *, request: Request, session: Session,
+              held_back: int = 0) -> Any:
+    """Capture, solve and check one step of ``model`` on ``(args, kwargs)`` for the budget
+    less ``held_back`` bytes; the step to run (graph mode: a
+    :class:`graphs.graph_mode.ScheduledStep` or the eager forward; module mode: a
+    :class:`graphs.planned.ModuleStep`), in one process watched on the real training
+    step (:class:`solver.watch.WatchedStep`), its report in ``session``.
 
     A training step is planned, whatever mode the model is in now (a model in ``eval()``
     at optimize time trains later): every module is in training mode while planning and
     is put back as it was afterwards."""
     with training_mode(model) as was_eval:
-        step = _plan_step(model, args, kwargs, request=request, session=session)
+        step = _plan_step(model, args, kwargs, request=request, session=session, held_back=held_back)
     if was_eval:
         session.report.notes.append("planned for training: the model was in eval() when planned, and is again")
-    return step
+    if request.dp is not None:  # a step runs collectives: verify() measures it on every rank
+        return step
+
+    def replan(more: int) -> WatchedStep:
+        return plan_step(model, args, kwargs, request=request, session=session, held_back=more)
+
+    return WatchedStep(step, replan=replan, session=session, watch=request.watch, held_back=held_back)
 
 
 @contextlib.contextmanager
@@ -99,7 +112,8 @@ def training_mode(model: nn.Module) -> Iterator[bool]:
             m.training = flag
 
 
-def _plan_step(model: nn.Module, args: tuple, kwargs: dict, *, request: Request, session: Session) -> Any:
+def _plan_step(model: nn.Module, args: tuple, kwargs: dict, *, request: Request, session: Session,
+               held_back: int) -> Any:
     cap = capture_step(model, args, kwargs, request=request)
     if request.mode == "graph":
         def make(margin: int) -> Any:
@@ -112,7 +126,9 @@ def _plan_step(model: nn.Module, args: tuple, kwargs: dict, *, request: Request,
         request.dp.annotate(session.report)
     else:
         step = fit_measured(model, make=make, run=lambda s: lambda: s(model, args, kwargs), args=args,
-                            kwargs=kwargs, budget=cap.budget, session=session)
+                            kwargs=kwargs, budget=cap.budget, session=session, loss_fn=request.loss_fn,
+                            held_back=held_back)
+    loss_note(session.report, cap.graph, loss_fn=request.loss_fn)
     session.publish()
     log.info("%s", session.report)
     return step
@@ -130,10 +146,12 @@ def capture_step(model: nn.Module, args: tuple, kwargs: dict, *, request: Reques
                                "plans at layer level instead)") from exc
         raise
     charge(cg, optimizer=request.optimizer_bytes, seed=SEED_RESERVE)
+    if request.loss_fn is not None:
+        charge_loss(cg, request.loss_fn)
     if request.dp is not None:
         request.dp.charge(cg)
-    if request.mode == "module":  # eager autograd; AOTAutograd's runtime materializes zero tangents
-        backward_from_loss(cg)
+    if request.mode == "module" and request.loss_fn is None:
+        backward_from_loss(cg)  # eager autograd; AOTAutograd's runtime materializes zero tangents
     capture_s = time.perf_counter() - t0
     budget, act_budget = int(request.budget), None
     if request.activation_budget:
@@ -141,6 +159,24 @@ def capture_step(model: nn.Module, args: tuple, kwargs: dict, *, request: Reques
         budget = budget + cg.fixed_bytes + cg.grad_bytes
     return Captured(graph=cg, budget=budget, activation_budget=act_budget, store_all=simulate(cg, cg.order).peak_bytes,
                     capture_seconds=capture_s, solve_start=time.perf_counter())
+
+
+def loss_note(report: Report, cg: ComputeGraph, *, loss_fn: Callable[[Any], Any] | None) -> None:
+    """Say in the report what the plan knows of the loss."""
+    if loss_fn is not None:
+        if cg.meta.get("loss") != "measured":
+            report.notes.append(f"the loss's own memory is outside the plan: {cg.meta.get('loss')}")
+        return
+    if not returns_a_loss(cg):
+        report.notes.append("the model returns no scalar loss: the loss computed from its output is outside the "
+                            "plan (pass loss_fn= so that the plan holds its memory; the first real step is "
+                            "measured and planned again if it does not fit)")
+
+
+def returns_a_loss(cg: ComputeGraph) -> bool:
+    """Whether one of the model's outputs is a scalar (a loss the step backpropagates)."""
+    tangents = [v for v in cg.ops if cg[v]["op"] == "tangent"]
+    return any(cg[t].get("grad_of") in cg.nx and cg[cg[t]["grad_of"]]["bytes"] <= 8 for t in tangents)
 
 
 def backward_from_loss(cg: ComputeGraph) -> None:
@@ -163,12 +199,13 @@ def plan_graph_checked(model: nn.Module, args: tuple, kwargs: dict, *, cap: Capt
                        session: Session, margin: int) -> Any:
     """Graph mode's plan, its rewrite checked against the original's gradients."""
     def original_peak() -> int | None:
-        return measured_peak(model, lambda: type(model).forward(model, *args, **kwargs), args, kwargs)
+        return measured_peak(model, lambda: type(model).forward(model, *args, **kwargs), args, kwargs,
+                             loss_fn=request.loss_fn)
 
     out = plan_graph(cap=cap, request=request, session=session, method=request.method, margin=margin,
                      original_peak=original_peak)
     if not isinstance(out, ScheduledStep) or not request.self_check or self_check(
-            model, out, args=args, kwargs=kwargs, session=session):
+            model, out, args=args, kwargs=kwargs, session=session, loss_fn=request.loss_fn):
         return out
     # a rewrite that does not give the model's gradients is never handed out
     first = session.report.method
@@ -179,7 +216,7 @@ def plan_graph_checked(model: nn.Module, args: tuple, kwargs: dict, *, cap: Capt
             except RematError:
                 continue
             if not isinstance(cand, ScheduledStep) or self_check(model, cand, args=args, kwargs=kwargs,
-                                                                 session=session):
+                                                                 session=session, loss_fn=request.loss_fn):
                 session.report.notes.append(f"the {first} schedule failed the gradient self-check; using {fallback}")
                 return cand
     raise SolverError(f"the graph-mode rewrite ({first}) does not reproduce the model's gradients on the example "

@@ -31,6 +31,9 @@ class Report:
     the example batch (single process, real inputs). When it was over the budget, the
     plan was made again for the budget less what the step measured beyond its
     prediction (a note says so), and ``predicted_peak_bytes`` is that plan's.
+    ``step_peak_bytes`` is the allocator's peak of the first real training step of the
+    plan, from its forward to the end of its backward, the user's loss included
+    (:mod:`solver.watch`).
     """
 
     mode: str
@@ -49,6 +52,7 @@ class Report:
     recomputed: int = 0
     measured_peak_bytes: int | None = None
     checked_peak_bytes: int | None = None
+    step_peak_bytes: int | None = None
     measured_step_seconds: float | None = None
     original_step_seconds: float | None = None
     original_peak_bytes: int | None = None
@@ -114,6 +118,10 @@ class Report:
                 f"  measured peak       {b(self.measured_peak_bytes)} ({ratio:.3f}x predicted; "
                 f"{'fits' if self.fits else 'OVER'} the budget)"
             )
+        if self.step_peak_bytes is not None:
+            over = self.step_peak_bytes > self.budget_bytes
+            lines.append(f"  real step peak      {b(self.step_peak_bytes)} (first training step; "
+                         f"{'OVER' if over else 'fits'} the budget)")
         if self.measured_step_seconds is not None:
             rel = ""
             if self.original_step_seconds:

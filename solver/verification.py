@@ -12,7 +12,7 @@ import torch
 from torch import nn
 
 from graphs.capture import default_loss
-from graphs.memory import MemoryTracker
+from graphs.memory import AllocatorPeak
 from graphs.units import format_bytes
 from solver.checks import split_inputs, step_undone
 from solver.fixed import untracked_bytes
@@ -54,9 +54,9 @@ def verify(module: nn.Module, example_inputs: Any, *, loss_fn: Callable | None =
            original: nn.Module | None = None, repeats: int = 3) -> Report:
     """Run real training steps of an optimized module and measure them.
 
-    Adds the measured peak (one step, gradients initially None, under
-    :class:`graphs.memory.MemoryTracker`; on CUDA also ``max_memory_allocated``; for a
-    data-parallel module, :class:`graphs.distributed.RankMemoryTracker` over the rank's
+    Adds the measured peak (one step, gradients initially None, by the allocator:
+    :class:`graphs.memory.AllocatorPeak`, the CUDA allocator's peak statistics or, on
+    CPU, the profiler's allocation events; for a data-parallel module, :class:`graphs.distributed.RankMemoryTracker` over the rank's
     local tensors, :func:`graphs.distributed.rank_tensors`: call it on every rank) and the
     median step time (process CPU time on CPU) to ``module.report``; with ``original``,
     also the original module's step time (the two stepped in turn) and peak, and
@@ -69,7 +69,8 @@ def verify(module: nn.Module, example_inputs: Any, *, loss_fn: Callable | None =
         Returned by :func:`solver.optimize`.
     example_inputs : tuple or dict
     loss_fn : callable, optional
-        Output -> scalar loss (default :func:`graphs.capture.default_loss`).
+        Output -> scalar loss (default: the ``loss_fn`` given to :func:`solver.optimize`,
+        else :func:`graphs.capture.default_loss`).
     original : torch.nn.Module, optional
         The model before optimization, to time side by side.
     repeats : int
@@ -101,7 +102,7 @@ def verify(module: nn.Module, example_inputs: Any, *, loss_fn: Callable | None =
 def verify_into(module: nn.Module, example_inputs: Any, *, session: Any, original: nn.Module | None = None,
                 loss_fn: Callable | None = None, repeats: int = 3) -> Report:
     """:func:`verify`, its figures written into the session's report."""
-    loss_fn = loss_fn or default_loss
+    loss_fn = loss_fn or session.loss_fn or default_loss
     with step_undone(module):
         if session.report is None:  # lazy plan: the first call plans
             with torch.random.fork_rng():
@@ -120,7 +121,7 @@ def verify_into(module: nn.Module, example_inputs: Any, *, session: Any, origina
                 report.measured_step_seconds, report.original_step_seconds = _step_seconds(
                     [module, original], example_inputs, loss_fn, repeats=repeats)
                 _clear_grads(module, original)
-                with MemoryTracker(original, example_inputs) as t2:
+                with AllocatorPeak(original, example_inputs) as t2:
                     out = _call(original, example_inputs)
                     loss_fn(out).backward()
                     del out
@@ -131,23 +132,20 @@ def verify_into(module: nn.Module, example_inputs: Any, *, session: Any, origina
 
 
 def _measured(module: nn.Module, example_inputs: Any, *, report: Report, loss_fn: Callable) -> int:
-    """Peak bytes of one step of ``module``, with what the tracker cannot see added."""
-    if torch.cuda.is_available():
-        torch.cuda.synchronize()
+    """Peak bytes of one step of ``module`` by the allocator, with what the step does
+    not allocate yet added (optimizer state not created)."""
     if report.sharding:  # local shards and buckets; FSDP2 frees by resizing storages
         from graphs.distributed import RankMemoryTracker, rank_tensors
 
         a, k = split_inputs(example_inputs)
-        tracker = RankMemoryTracker(rank_tensors(module, extra=list(a) + list(k.values())))
+        judge = RankMemoryTracker(rank_tensors(module, extra=list(a) + list(k.values())))
         untracked = report.untracked_bytes or 0
     else:
-        tracker = MemoryTracker(module, example_inputs)
+        judge = AllocatorPeak(module, example_inputs)
         untracked = untracked_bytes(report.graph)
-    with tracker:
+    with judge:
         out = _call(module, example_inputs)  # held during backward, as a training loop does
         loss_fn(out).backward()
         del out
-    if tracker.cuda_peak_bytes is not None:
-        report.notes.append(f"CUDA max_memory_allocated {format_bytes(tracker.cuda_peak_bytes)}")
-    return int(tracker.peak_bytes + untracked)
+    return int(judge.peak_bytes + untracked)
 
