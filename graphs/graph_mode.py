@@ -6,11 +6,13 @@ backward="outputs")``) with AOTAutograd's runtime, cutting the joint graph with
 schedule stores and the backward recomputes the rest where the schedule says. Both graphs
 are plain fx code (boxed, freeing every value after its last use), run eagerly, or, with
 ``compiler="inductor"``, compiled by torch inductor after the cut (inductor never sees the
-joint graph, so it cannot move a value across it). A graph is cut into segments
-(:func:`memory_profile` gives the bytes live before each op): random ops and the
-generator-state steps that replay them run as plain fx code, so every draw is eager's,
-and a segment ends where inductor, which fuses and reorders inside it, could go above the
-plain code's peak plus a headroom. Each segment is decomposed with inductor's
+joint graph, so it cannot move a value across it). A graph is cut into segments: random
+ops and the generator-state steps that replay them run as plain fx code, so every draw is
+eager's, and a segment ends where inductor, which fuses and reorders inside it, could go
+above the plain code's peak plus a headroom. The headroom is the planner's, from the
+solver's simulator (the one judge: budget less the schedule's simulated peak);
+:func:`memory_profile` only says where inside one partitioned graph that headroom runs
+out. Each segment is decomposed with inductor's
 decomposition table and compiled with ``compile_fx_inner``; its buffers are allocated
 through the dispatcher, so :class:`graphs.memory.MemoryTracker` sees them.
 
@@ -69,6 +71,17 @@ _MIN_SEGMENT_OPS = 4
 
 def memory_profile(gm: torch.fx.GraphModule, *, is_backward: bool) -> tuple[list[torch.fx.Node], list[int], list[int]]:
     """Bytes live before each op of a boxed graph and bytes each op allocates.
+
+    Only :func:`_segments` reads it, to place the cuts of a graph that inductor compiles;
+    it judges no plan. It exists beside the solver's simulator because the graphs it
+    reads are not the DAG the simulator runs: AOTAutograd's partitioned forward and
+    backward graphs hold copies of recomputed ops, the generator-state steps of
+    replayed random ops and ``getitem`` projections made on demand, with names of their
+    own. Its rules are the simulator's (a value lives from the op that makes it through
+    its last use; an op's output counts while it runs; aliases share one storage,
+    charged once), on the storage records the capture prices the DAG with
+    (:func:`graphs.costs.annotate_storage`), and it is used only relative to itself: a
+    segment may add the simulator's headroom to this graph's own peak.
 
     A view (or a ``getitem`` of a multi-output op) shares its base's storage, which lives
     until the last use of any alias; a graph output lives to the end. Inputs of a forward
@@ -148,9 +161,10 @@ def _segments(gm: torch.fx.GraphModule, *, is_backward: bool = False,
               headroom: int | None = None) -> tuple[dict[torch.fx.Node, int], set[int]]:
     """Cut a graph into runs that inductor compiles and runs that run eagerly.
 
-    Random ops and plain Python calls run eagerly. With ``headroom`` (bytes), a compiled
-    run is also cut wherever inductor could otherwise go above the graph's eager peak
-    plus ``headroom``: inductor fuses and reorders inside a run, so a run is taken as
+    Random ops and plain Python calls run eagerly. With ``headroom`` (bytes, the
+    planner's: the budget less the simulator's peak of the schedule), a compiled run is
+    also cut wherever inductor could otherwise go above the graph's eager peak
+    (:func:`memory_profile`) plus ``headroom``: inductor fuses and reorders inside a run, so a run is taken as
     holding everything it allocates until it ends, on top of what is live when it starts.
     Runs of fewer than ``_MIN_SEGMENT_OPS`` ops run eagerly. A ``getitem`` goes with the op
     it projects; a view joins the segment being built (it allocates nothing).

@@ -27,8 +27,10 @@ multi-output op, symbolic-size nodes) are recomputed on demand next to their use
 
 from __future__ import annotations
 
+import dataclasses
 import logging
 import operator
+from dataclasses import dataclass
 from typing import Hashable, Iterable, Sequence
 
 import torch
@@ -39,7 +41,8 @@ from graphs.errors import RematError
 from graphs.fixed import charge
 from graphs.torch_internals import boxed_codegen, fake_value, is_op_overload, op_schema
 
-__all__ = ["RewriteError", "partition_by_schedule", "boxed", "rng_state_bytes", "replay_random_ops"]
+__all__ = ["RewriteError", "partition_by_schedule", "boxed", "rng_state_bytes", "replay_random_ops", "RandomReplay",
+           "random_replay"]
 
 log = logging.getLogger(__name__)
 
@@ -89,14 +92,59 @@ def rng_state_bytes(device: torch.device | str = "cpu") -> int:
 _RNG_KEY = "rng:"  # env key of the generator state kept for a random op
 
 
+_REPLAY_KEY = "random_replay"  # graph.meta key of the RandomReplay record (one writer: replay_random_ops)
+
+
+@dataclass(frozen=True)
+class RandomReplay:
+    """What :func:`replay_random_ops` did to a graph (its record, kept in the graph's
+    ``meta`` so that copies and graph files carry it).
+
+    Attributes
+    ----------
+    ops : tuple
+        The random ops it made recomputable.
+    state_bytes : int
+        Bytes of the generator states it charged (``FixedCharges.rng_states``; 0 when
+        the states live on CUDA, outside the budget's memory).
+
+    Examples
+    --------
+    >>> RandomReplay(ops=("mask",), state_bytes=5056).ops
+    ('mask',)
+    """
+
+    ops: tuple = ()
+    state_bytes: int = 0
+
+
+def random_replay(graph) -> RandomReplay | None:
+    """The :class:`RandomReplay` record of ``graph``; None until :func:`replay_random_ops`
+    has run on it.
+
+    Examples
+    --------
+    >>> from graphs import ComputeGraph
+    >>> random_replay(ComputeGraph()) is None
+    True
+    """
+    got = graph.meta.get(_REPLAY_KEY)
+    if got is None:
+        return None
+    if got is True:  # a graph file written when the record was a bare flag
+        return RandomReplay()
+    return RandomReplay(ops=tuple(got["ops"]), state_bytes=int(got["state_bytes"]))
+
+
 def replay_random_ops(graph) -> int:
     """Let schedules of ``graph`` run its random ops more than once.
 
     :func:`partition_by_schedule` replays a random op's generator state, so its draws
     are the same on every run: the ops become ``recomputable`` (the simulator still
     keeps their first runs in the reference order, ``meta["ordered"]``). Each kept
-    state is charged to the fixed bytes when it lives on the device (on CPU). Calling
-    it again changes nothing.
+    state is charged to the fixed bytes when it lives on the device (on CPU). What it
+    did is the graph's :class:`RandomReplay` record (:func:`random_replay`); a graph
+    that has one is left as it is, so calling it again changes nothing.
 
     Returns
     -------
@@ -108,10 +156,14 @@ def replay_random_ops(graph) -> int:
     >>> from graphs import ComputeGraph
     >>> g = ComputeGraph(); g.add_node("mask", bytes=64, recomputable=False)
     >>> g.meta["ordered"] = ["mask"]
-    >>> replay_random_ops(g), g["mask"]["recomputable"]
-    (1, True)
+    >>> replay_random_ops(g), g["mask"]["recomputable"], random_replay(g).ops
+    (1, True, ('mask',))
+    >>> import json  # a graph file carries the record: a loaded graph is not charged again
+    >>> loaded = ComputeGraph.from_dict(json.loads(json.dumps(g.to_dict())))
+    >>> replay_random_ops(g), replay_random_ops(loaded), random_replay(loaded) == random_replay(g)
+    (0, 0, True)
     """
-    if graph.meta.get("random_replay"):
+    if random_replay(graph) is not None:
         return 0
     random = [v for v in graph.meta.get("ordered", ()) if v in graph.nx and not graph[v]["recomputable"]]
     for v in random:
@@ -122,7 +174,7 @@ def replay_random_ops(graph) -> int:
     on_cpu = not any(isinstance(t, torch.Tensor) and t.device.type == "cuda" for t in inputs)
     extra = len(random) * rng_state_bytes("cpu") if on_cpu else 0
     charge(graph, rng_states=extra)
-    graph.meta["random_replay"] = True
+    graph.meta[_REPLAY_KEY] = dataclasses.asdict(RandomReplay(ops=tuple(random), state_bytes=extra))
     graph._invalidate()
     return len(random)
 

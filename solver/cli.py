@@ -182,15 +182,11 @@ def _model_target(args) -> tuple:
         return model, kw
     conf = _hf_config(args.model, args)
     if args.captured:
-        import torch
-        from transformers import AutoModelForCausalLM
+        from solver.models import META_DTYPES, meta_model
 
-        dtype = {"bf16": torch.bfloat16, "fp16": torch.float16, "fp32": torch.float32, None: torch.float32}.get(args.dtype)
-        if dtype is None:
-            raise CLIError(f"--dtype {args.dtype!r}: use bf16, fp16 or fp32")
-        with torch.device("meta"):
-            model = AutoModelForCausalLM.from_config(conf, torch_dtype=dtype)
-        model.train()
+        if args.dtype is not None and args.dtype not in META_DTYPES:
+            raise CLIError(f"--dtype {args.dtype!r}: use {', '.join(META_DTYPES)}")
+        model = meta_model(conf, dtype=args.dtype)
         kw.update(seq_len=args.seq or 1024, micro_batch=args.micro_batch or 1)
         kw["_progress"] = Progress(1, "capture", enabled=not args.json)
         return model, kw

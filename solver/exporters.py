@@ -6,12 +6,13 @@ actions the target will really run (re-priced with the same analytic model), and
 warnings of what the target cannot express. When a target cannot express the policy,
 the exporter picks among the settings it *can* express the cheapest one that still fits
 the policy's budget (a superset of the recomputation, hence of the memory savings), and
-says which. Only :func:`apply_hf` and :func:`sac_policy_fn` import torch, lazily.
+says which. Nothing here imports torch: :func:`apply_hf` runs a plan through
+:func:`solver.models.apply_hf_actions` and :func:`sac_policy_fn` is
+:func:`graphs.module_mode.selective_policy`.
 """
 
 from __future__ import annotations
 
-import functools
 import logging
 from dataclasses import dataclass, field
 from typing import Any, Callable, Iterable, Sequence
@@ -155,31 +156,18 @@ def to_hf(policy: LayerPolicy) -> Export:
     return _pick(policy, "hf", cands, warnings)
 
 
-def _selective_checkpoint(function, *args, _context_fn=None, **kwargs):
-    from torch.utils.checkpoint import checkpoint
-
-    return checkpoint(function, *args, use_reentrant=False, context_fn=_context_fn, **kwargs)
-
-
-def _offloaded_forward(function, *args, **kwargs):
-    import torch
-    from torch.autograd.graph import save_on_cpu
-
-    with save_on_cpu(pin_memory=torch.cuda.is_available()):
-        return function(*args, **kwargs)
-
-
 def apply_hf(model: Any, policy: LayerPolicy) -> Any:
     """Apply a per-layer plan to an HF model's decoder layers, in place.
 
-    Uses the per-layer hook that transformers 5 gives every ``GradientCheckpointingLayer``
-    (its ``gradient_checkpointing`` flag and ``_gradient_checkpointing_func``): ``full``
-    layers run under non-reentrant :func:`torch.utils.checkpoint.checkpoint`;
+    ``full`` layers run under non-reentrant :func:`torch.utils.checkpoint.checkpoint`;
     ``selective`` ones under it with a :func:`torch.utils.checkpoint.
     create_selective_checkpoint_contexts` policy that recomputes only the attention core
     (:func:`sac_policy_fn`); ``offload`` ones under
     :func:`torch.autograd.graph.save_on_cpu` (no recomputation); ``none`` layers run as
-    they are. The hook fires in training mode with gradients enabled only.
+    they are. HF's public checkpointing switch (``activation_checkpointing_enable``)
+    and the per-layer ``gradient_checkpointing`` flags carry the plan where they can
+    express it; see :func:`solver.models.apply_hf_actions` for the rest. The layers act
+    in training mode with gradients enabled only.
 
     Parameters
     ----------
@@ -196,26 +184,9 @@ def apply_hf(model: Any, policy: LayerPolicy) -> Any:
     SolverError
         When the model's decoder-layer count differs from the policy's.
     """
-    from torch.utils.checkpoint import checkpoint, create_selective_checkpoint_contexts
-    from transformers.modeling_layers import GradientCheckpointingLayer
+    from solver.models import apply_hf_actions
 
-    layers = [m for m in model.modules() if isinstance(m, GradientCheckpointingLayer)]
-    if len(layers) != policy.num_layers:
-        raise SolverError(f"{type(model).__name__} has {len(layers)} checkpointable decoder layers but the policy "
-                          f"plans {policy.num_layers}; plan from this model's config")
-    full = functools.partial(checkpoint, use_reentrant=False)
-    selective = functools.partial(
-        _selective_checkpoint,
-        _context_fn=functools.partial(create_selective_checkpoint_contexts, sac_policy_fn()))
-    for layer, action in zip(layers, policy.actions):
-        if action == LayerAction.NONE:
-            layer.gradient_checkpointing = False
-            continue
-        layer.gradient_checkpointing = True
-        layer._gradient_checkpointing_func = {LayerAction.FULL: full, LayerAction.SELECTIVE: selective,
-                                              LayerAction.OFFLOAD: _offloaded_forward}[action]
-    log.info("apply_hf: %s", {a.value: n for a, n in policy.counts().items()})
-    return model
+    return apply_hf_actions(model, policy.actions)
 
 
 # ------------------------------------------------------------------------ torch SAC

@@ -18,7 +18,7 @@ import math
 import numbers
 import time
 from dataclasses import dataclass, field
-from typing import Any, Sequence
+from typing import TYPE_CHECKING, Any, Sequence
 
 import numpy as np
 
@@ -30,8 +30,11 @@ from solver import analytic
 from solver.analytic import TransformerConfig
 from solver.errors import InfeasibleBudget, SolverError
 
+if TYPE_CHECKING:
+    from solver.models import CapturedModel
+
 __all__ = ["LayerAction", "LayerOption", "StagePlan", "LayerPolicy", "policy", "build_planner", "budget_bytes_of", "check_batch_options",
-           "SCHEDULES", "GraphPlanner", "build_graph_planner", "layer_blocks", "hf_example_inputs"]
+           "SCHEDULES", "GraphPlanner", "build_graph_planner", "layer_blocks"]
 
 log = logging.getLogger(__name__)
 
@@ -464,29 +467,19 @@ def layer_blocks(model: Any) -> list[str]:
     return _layer_blocks(model)
 
 
-def hf_example_inputs(model: Any, *, seq_len: int | None, micro_batch: int | None) -> dict:
-    """``input_ids`` and ``labels`` of shape (micro_batch, seq_len) for an HF causal LM,
-    on the model's device (a meta model gets meta tensors: nothing is allocated)."""
-    import torch
-
-    cfg = getattr(model, "config", None)
-    if cfg is None:
-        raise SolverError(f"{type(model).__name__} has no HF `.config`: pass example_inputs=... (a tuple of "
-                          "positional arguments or a dict of keyword arguments)")
-    if not seq_len:
-        raise SolverError("pass seq_len=... (and micro_batch=...) to build the example batch, or example_inputs=...")
-    vocab = int(getattr(cfg, "vocab_size", 0) or 2)
-    try:
-        device = next(model.parameters()).device
-    except StopIteration:
-        device = torch.device("cpu")
-    b = int(micro_batch or 1)
-    if device.type == "meta":
-        ids = torch.zeros((b, int(seq_len)), dtype=torch.long, device="meta")
-    else:
-        gen = torch.Generator().manual_seed(0)
-        ids = torch.randint(0, vocab, (b, int(seq_len)), generator=gen).to(device)
-    return {"input_ids": ids, "labels": ids}
+def _graph_options(*, world_size: Any, sharding: Any, hardware: Any, allow_offload: bool | None
+                   ) -> tuple[int, str | None, Hardware | None, bool | None]:
+    """Validate the captured path's options: (world size, sharding, hardware, allow_offload
+    or None for the device's default)."""
+    world_size, sharding = _check_data_parallel(world_size, sharding)
+    if sharding == "fsdp":
+        if allow_offload:
+            raise SolverError("offload is not planned under FSDP2; use allow_offload=False")
+        allow_offload = False
+    hw = None if hardware is None else get_hardware(hardware)
+    if allow_offload and hw is None:
+        raise SolverError("offload needs a hardware spec for its host bandwidth: pass hardware='pcie5'")
+    return world_size, sharding, hw, allow_offload
 
 
 class GraphPlanner:
@@ -499,6 +492,14 @@ class GraphPlanner:
     backward reads to the host right after its last forward use and back just before its
     first backward use.
 
+    Parameters
+    ----------
+    captured : solver.models.CapturedModel
+        The step, captured by :func:`solver.models.capture_module` (this class sees only
+        its DAG and a few numbers: it never touches the module).
+    optimizer, hardware, allow_offload, world_size, sharding :
+        As for :func:`policy`.
+
     Attributes
     ----------
     graph : ComputeGraph
@@ -508,48 +509,24 @@ class GraphPlanner:
     options : tuple of LayerAction
     """
 
-    def __init__(self, model: Any, example_inputs: Any, *, blocks: Sequence[str] | None = None,
-                 optimizer: str = "adam", hardware: Any = None, allow_offload: bool | None = None,
-                 measure_time: bool = False, loss_fn: Any = None, world_size: int | None = None,
+    def __init__(self, captured: "CapturedModel", *, optimizer: str = "adam", hardware: Any = None,
+                 allow_offload: bool | None = None, world_size: int | None = None,
                  sharding: str | None = None) -> None:
-        from graphs.capture import capture
-
-        self.world_size, self.sharding = _check_data_parallel(world_size, sharding)
-        if self.sharding == "fsdp":
-            if allow_offload:
-                raise SolverError("offload is not planned under FSDP2; use allow_offload=False")
-            allow_offload = False
-        self.model = model
-        self.blocks = list(blocks) if blocks is not None else layer_blocks(model)
-        if not self.blocks:
-            raise SolverError(f"{type(model).__name__} has no layers to plan (no ModuleList/Sequential or children)")
+        self.world_size, self.sharding, self.hardware, allow_offload = _graph_options(
+            world_size=world_size, sharding=sharding, hardware=hardware, allow_offload=allow_offload)
+        self.blocks = list(captured.blocks)
         self.optimizer = str(optimizer).lower()
-        self.hardware = None if hardware is None else get_hardware(hardware)
-        try:
-            device = next(model.parameters()).device.type
-        except StopIteration:
-            device = "cpu"
-        self.device = device
+        self.device = device = captured.device
         self.notes: list[str] = []
         if allow_offload is None:
             allow_offload = self.hardware is not None and device == "cuda"
             if self.hardware is not None and device != "cuda":
                 self.notes.append(f"offload not considered: the model is on {device}, not CUDA")
-        if allow_offload and self.hardware is None:
-            raise SolverError("offload needs a hardware spec for its host bandwidth: pass hardware='pcie5'")
         self.allow_offload = bool(allow_offload)
-        t0 = time.perf_counter()
-        from solver.module_plan import checkpoint_view
-
-        self.graph = checkpoint_view(
-            capture(model, example_inputs, backward="loss", measure_time=measure_time, loss_fn=loss_fn,
-                    hardware=self.hardware), self.blocks)
-        self.capture_seconds = time.perf_counter() - t0
-        params = [p for p in model.parameters() if p.requires_grad]
-        numel = sum(p.numel() for p in params)
-        esize = params[0].element_size() if params else 4
-        _, _, o_b = analytic.state_bytes_per_parameter(esize, self.optimizer)
-        self.optimizer_bytes = int(numel * o_b)
+        self.graph = captured.graph
+        self.capture_seconds = captured.capture_seconds
+        _, _, o_b = analytic.state_bytes_per_parameter(captured.element_size, self.optimizer)
+        self.optimizer_bytes = int(captured.trainable_numel * o_b)
         # DDP's gradient buckets: one more copy of the gradients; under FSDP2 rank_peak
         # shards and charges the optimizer state itself
         charge(self.graph, optimizer=0 if self.sharding == "fsdp" else self.optimizer_bytes,
@@ -558,9 +535,9 @@ class GraphPlanner:
             (LayerAction.OFFLOAD,) if self.allow_offload else ())
         self.base_flops = float(sum(self.graph[v].get("flops", 0) for v in self.graph.ops))
         self.config = None
-        if getattr(model, "config", None) is not None:
+        if captured.hf_config is not None:
             try:
-                self.config = analytic.as_config(model)
+                self.config = analytic.as_config(captured.hf_config)
             except Exception:  # an unusual HF config: the captured graph is all we need
                 self.config = None
         self._cache: dict[tuple, tuple] = {}
@@ -666,9 +643,9 @@ def build_graph_planner(model: Any, *, example_inputs: Any = None, seq_len: int 
                         measure_time: bool = False, loss_fn: Any = None, world_size: int | None = None,
                         sharding: str | None = None) -> GraphPlanner:
     """The planner behind :func:`policy` and :func:`solver.estimate.estimate` for a real
-    ``nn.Module``: its training step captured with :func:`graphs.capture` on
-    ``example_inputs`` (default for an HF model: ``input_ids``/``labels`` of shape
-    ``(micro_batch, seq_len)``).
+    ``nn.Module``: its training step captured by :func:`solver.models.capture_module`
+    (the one way this module reaches torch) on ``example_inputs`` (default for an HF
+    model: ``input_ids``/``labels`` of shape ``(micro_batch, seq_len)``).
 
     Examples
     --------
@@ -678,11 +655,13 @@ def build_graph_planner(model: Any, *, example_inputs: Any = None, seq_len: int 
     >>> pl.blocks, pl.evaluate(["none"] * 3)[1].valid
     (['0', '1', '2'], True)
     """
-    if example_inputs is None:
-        example_inputs = hf_example_inputs(model, seq_len=seq_len, micro_batch=micro_batch)
-    return GraphPlanner(model, example_inputs, blocks=blocks, optimizer=optimizer, hardware=hardware,
-                        allow_offload=allow_offload, measure_time=measure_time, loss_fn=loss_fn,
-                        world_size=world_size, sharding=sharding)
+    from solver.models import capture_module
+
+    opts = dict(world_size=world_size, sharding=sharding, hardware=hardware, allow_offload=allow_offload)
+    hw = _graph_options(**opts)[2]  # a bad option is refused before the capture
+    captured = capture_module(model, example_inputs, seq_len=seq_len, micro_batch=micro_batch, blocks=blocks,
+                              measure_time=measure_time, loss_fn=loss_fn, hardware=hw)
+    return GraphPlanner(captured, optimizer=optimizer, **opts)
 
 
 def _check_graph_options(*, pipeline_parallel: int = 1, **config_only: Any) -> None:

@@ -1,5 +1,6 @@
-"""The shape of the packages: no import cycle among ``graphs`` and ``solver`` modules, and
-the solver's pure graph math free of torch."""
+"""The shape of the packages: no import cycle among ``graphs`` and ``solver`` modules, the
+solver's pure graph math free of torch, and the trainer policies reaching torch only
+through their one join-side module."""
 
 from __future__ import annotations
 
@@ -16,6 +17,11 @@ PACKAGES = ("graphs", "solver")
 #: the solver's pure graph math: schedules, the judge, the method table and every method
 PURE = ["solver.schedule", "solver.simulate", "solver.registry", "solver.solving", "solver.grading",
         "solver.indexed", "solver.feasibility", "solver.synthetic", "solver.report", "solver.fixed"]
+
+#: the trainer policies: they price plans on a DAG; a real module is captured, built or
+#: changed by :data:`POLICY_JOIN` alone
+TRAINER_POLICY = ["solver.analytic", "solver.policy", "solver.estimate", "solver.exporters"]
+POLICY_JOIN = "solver.models"
 
 
 def _modules() -> dict[str, Path]:
@@ -62,6 +68,41 @@ def test_graphs_never_imports_solver():
     g = import_graph(_modules())
     crossing = [(a, b) for a, b in g.edges if a.startswith("graphs") and b.startswith("solver")]
     assert crossing == []
+
+
+def _imported_roots(path: Path) -> set[str]:
+    """Top-level packages a file imports anywhere (module level or inside a function)."""
+    roots = set()
+    for node in ast.walk(ast.parse(path.read_text(), filename=str(path))):
+        if isinstance(node, ast.Import):
+            roots.update(a.name.split(".")[0] for a in node.names)
+        elif isinstance(node, ast.ImportFrom) and node.module and node.level == 0:
+            roots.add(node.module.split(".")[0])
+    return roots
+
+
+def test_the_trainer_policies_and_the_cli_never_import_torch_themselves():
+    mods = _modules()
+    found = {m: sorted(_imported_roots(mods[m]) & {"torch", "transformers"}) for m in TRAINER_POLICY}
+    assert found == {m: [] for m in TRAINER_POLICY}
+    assert "torch" not in _imported_roots(mods["solver.cli"])  # it reads HF configs; POLICY_JOIN builds models
+
+
+def test_the_trainer_policies_reach_capture_only_through_their_join_module():
+    g = import_graph(_modules())
+    torch_side = {"graphs.capture", "graphs.graph_mode", "graphs.torch_internals", "graphs.planned",
+                  "solver.planning", "solver.optimize_model"}
+    crossing = [(a, b) for a in TRAINER_POLICY for b in g.successors(a) if b in torch_side]
+    assert crossing == []
+    assert g.has_edge("solver.policy", POLICY_JOIN) and g.has_edge(POLICY_JOIN, "graphs.capture")
+    assert not set(g.successors(POLICY_JOIN)) & set(TRAINER_POLICY)  # it is called, it does not call back
+
+
+def test_the_trainer_policies_import_without_torch():
+    code = ("import sys\n" + "".join(f"import {m}\n" for m in TRAINER_POLICY)
+            + "print(sorted(k for k in sys.modules if k.split('.')[0] in ('torch', 'transformers')))")
+    out = subprocess.run([sys.executable, "-c", code], cwd=ROOT, capture_output=True, text=True, check=True)
+    assert out.stdout.strip() == "[]"
 
 
 def test_the_pure_solver_and_every_method_import_without_torch():

@@ -67,8 +67,19 @@ def test_plan_factory_file_uses_captured_graph(capsys, tmp_path):
     assert rc != 0 and "no function" in err and len(err.strip().splitlines()) == 1
 
 
+@pytest.mark.slow
+def test_plan_captured_builds_the_hf_model_on_the_meta_device(capsys):
+    pytest.importorskip("transformers")
+    rc, out, err = run(capsys, ["plan", "gpt2", "--layers", "2", "--hidden", "64", "--heads", "2", "--vocab", "100",
+                                "--seq", "32", "--dtype", "bf16", "--captured", "--gpu-gb", "1", "--json"])
+    assert rc == 0, err
+    p = json.loads(out)["policy"]
+    assert p["source"] == "graph" and len(p["actions"]) == 2 and p["blocks"][0].endswith("h.0")
+
+
 @pytest.mark.parametrize("argv,needle", [
     (["estimate", "no_such_model", "--gpu-gb", "8"], "unknown model"),
+    (["plan", "gpt2", "--captured", "--dtype", "int8", "--gpu-gb", "8"], "--dtype 'int8'"),
     (["estimate", "gpt2", "--gpu-gb", "zero"], "--gpu-gb"),
     (["plan", "gpt2", "--gpu-gb", "0.01", "--seq", "1024"], "infeasible"),
     (["plan", "/nonexistent/model.py:make", "--gpu-gb", "8"], "no such file"),

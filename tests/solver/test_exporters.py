@@ -160,6 +160,19 @@ def test_apply_hf_same_loss_and_grads(attn):
         torch.testing.assert_close(b.grad, a.grad, rtol=1e-6, atol=1e-7, msg=n)
 
 
+def test_apply_hf_uses_hf_checkpointing_and_the_layer_flags_where_they_express_the_plan():
+    conf, model = _tiny_llama("eager")
+    layers = list(model.model.layers)
+    top = getattr(model.model, "gradient_checkpointing", None)
+    apply_hf(model, build_planner(conf, seq_len=16).policy_of([F, N, F, N], 10**12))
+    assert [layer.gradient_checkpointing for layer in layers] == [True, False, True, False]
+    assert len({id(layer._gradient_checkpointing_func) for layer in layers}) == 1  # HF's one function
+    assert getattr(model.model, "gradient_checkpointing", None) == top  # only the planned layers act
+    apply_hf(model, build_planner(conf, seq_len=16).policy_of([F, S, S, N], 10**12))
+    funcs = [layer._gradient_checkpointing_func for layer in layers[:3]]
+    assert funcs[1] is funcs[2] and funcs[0] is not funcs[1]  # selective is the common one; full gets its own
+
+
 def test_apply_hf_layer_count_checked():
     conf, model = _tiny_llama("eager")
     from solver.errors import SolverError
