@@ -171,7 +171,7 @@ def _install(wrapper: nn.Module, model: nn.Module, planner: Planner,
     original_forward = type(model).forward
     steps: OrderedDict[tuple, Any] = OrderedDict()
     dropped: set[tuple] = set()  # signatures whose plans the cache dropped
-    warned: list[tuple] = []  # the cache has dropped a plan (warned once)
+    warned = [False]  # the cache has dropped a plan (a warning, once)
     checked = [-1]  # hook_registrations() when the submodules were last seen without hooks
 
     def plan_now(args: tuple, kwargs: dict) -> Any:
@@ -186,13 +186,13 @@ def _install(wrapper: nn.Module, model: nn.Module, planner: Planner,
         dropped.discard(key)
         while len(steps) > PLAN_CACHE_SIZE:
             old, _ = steps.popitem(last=False)
-            if not warned:
+            if not warned[0]:
                 warnings.warn(f"{type(model).__name__} was called with more than {PLAN_CACHE_SIZE} input "
                               "signatures (shapes, dtypes, autocast state) in training: the least recently "
                               "used plan is dropped and made again when its signature comes back; pad inputs "
                               "to a few fixed shapes to plan once", stacklevel=4)
             dropped.add(old)
-            warned.append(old)
+            warned[0] = True
         if isinstance(step, ModuleStep):
             wrapper.remat_plan = step.actions
         report = wrapper.__dict__.get("report")
