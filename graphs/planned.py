@@ -8,21 +8,60 @@ a planner for a *step* once per input signature and runs it; in ``eval()`` or un
 module never imports a solver; a step is any callable ``step(wrapper, args, kwargs)``
 (graph mode's :class:`graphs.graph_mode.ScheduledStep`, module mode's
 :class:`ModuleStep`).
+
+What the wrapper keeps of a drop-in's contract, beyond forward's outputs:
+
+- **hooks**: the model's own forward hooks and pre-hooks are the wrapper's (the same
+  dicts): its ``__call__`` runs them around every step, and planning runs without them,
+  so they are not baked into a captured step. Hooks on submodules fire where the step
+  calls the submodules (module mode, the original forward). A step that runs a captured
+  graph does not call submodules: it has ``hooks_captured = True``, and a call refuses
+  (:class:`HookNotRun`, naming the hook) while a submodule carries a hook, checked again
+  only when torch has registered a hook since the last check.
+- **its own module dicts**: ``_modules``, ``_parameters``, ``_buffers`` are the wrapper's
+  own (holding the model's objects): a submodule added to the wrapper is not added to
+  the model. ``train()``/``eval()`` set the model's own flag too.
+- **copies**: ``copy.deepcopy`` gives an independent wrapper, with a copy of the
+  parameters, no plans (it plans again on its first training call) and the planner that
+  ``copy_planner`` gives it. ``pickle`` / ``torch.save`` of the wrapper is refused with
+  :class:`NotPicklable` (save its ``state_dict()``, whose keys are the model's).
+- **the plan cache**: at most :data:`PLAN_CACHE_SIZE` plans, least recently used dropped
+  first (it is made again, with a note in ``report``, if its signature comes back).
 """
 
 from __future__ import annotations
 
 import copy
 import functools
+import warnings
+from collections import OrderedDict
 from typing import Any, Callable, Mapping
 
 import torch
 from torch import nn
 
 from graphs.autocast import autocast_state
-from graphs.torch_internals import tree_flatten
+from graphs.errors import RematError
+from graphs.torch_internals import forward_hooks, hook_registrations, root_hooks_off, tree_flatten
 
-__all__ = ["ModuleStep", "Planner", "input_signature", "wrap_planned"]
+__all__ = ["HookNotRun", "ModuleStep", "NotPicklable", "PLAN_CACHE_SIZE", "Planner", "input_signature",
+           "wrap_planned"]
+
+#: plans a wrapper keeps (one per input signature), like torch.compile's recompile limit
+PLAN_CACHE_SIZE = 8
+
+#: the wrapper's attributes that belong to its plans (a deep copy plans again); and every
+#: attribute whose name starts with ``_remat``
+PLAN_STATE = frozenset({"forward", "train", "remat_steps", "remat_plan_now", "remat_plan", "report",
+                        "__deepcopy__", "__reduce_ex__"})
+
+
+class HookNotRun(RematError):
+    """A hook on a submodule that a planned step would not run (graph mode)."""
+
+
+class NotPicklable(RematError, TypeError):
+    """The drop-in module is not pickled: its plans hold captured graphs and closures."""
 
 #: ``planner(model, args, kwargs) -> step``
 Planner = Callable[[nn.Module, tuple, dict], Any]
@@ -61,6 +100,9 @@ class ModuleStep:
     True
     """
 
+    #: the step calls the model's submodules, so their hooks fire as in eager
+    hooks_captured = False
+
     def __init__(self, model: nn.Module, actions: Mapping[str, str], *, plan: Any = None) -> None:
         self.model, self.actions, self.plan = model, dict(actions), plan
         self._applied: nn.Module | None = None
@@ -73,7 +115,8 @@ class ModuleStep:
         return self._applied.forward(*args, **kwargs)
 
 
-def wrap_planned(model: nn.Module, planner: Planner) -> nn.Module:
+def wrap_planned(model: nn.Module, planner: Planner, *,
+                 copy_planner: Callable[[nn.Module], Planner] | None = None) -> nn.Module:
     """A drop-in module that runs ``model``'s training steps as planned steps.
 
     Parameters
@@ -82,14 +125,26 @@ def wrap_planned(model: nn.Module, planner: Planner) -> nn.Module:
     planner : callable
         ``planner(model, args, kwargs) -> step`` (it captures, solves and builds the
         step); called once per input signature, on the first call in training mode with
-        gradients enabled, or by ``wrapper.remat_plan_now(args, kwargs)``.
+        gradients enabled, or by ``wrapper.remat_plan_now(args, kwargs)``. It is called
+        with ``model``'s own hooks off (the wrapper's ``__call__`` runs them).
+    copy_planner : callable, optional
+        ``copy_planner(copy) -> planner`` for a ``copy.deepcopy`` of the wrapper (it may
+        set attributes of the copy, such as its report); default: the same ``planner``.
 
     Returns
     -------
     torch.nn.Module
         A shallow copy of ``model``: same class, same parameter and buffer objects, same
-        ``state_dict`` keys; ``model`` itself is not changed. ``remat_steps`` maps input
-        signatures to their steps; a module-mode step's actions are ``remat_plan``.
+        ``state_dict`` keys, its own ``_modules``/``_parameters``/``_buffers`` dicts;
+        ``model`` itself is not changed. ``remat_steps`` maps input signatures to their
+        steps (the :data:`PLAN_CACHE_SIZE` most recently used); a module-mode step's
+        actions are ``remat_plan``.
+
+    Raises
+    ------
+    HookNotRun
+        On a call whose step runs a captured graph while a submodule has a forward or
+        backward hook (it would not fire); the message names the hook.
 
     Examples
     --------
@@ -98,28 +153,131 @@ def wrap_planned(model: nn.Module, planner: Planner) -> nn.Module:
     >>> x = torch.randn(2, 4)
     >>> torch.equal(fast(x), net(x)), fast.remat_plan
     (True, {'0': 'full'})
+    >>> _ = fast.eval(); fast.training, net.training, net[0].training
+    (False, False, False)
     """
     wrapper = copy.copy(model)
+    for name in ("_modules", "_parameters", "_buffers", "_non_persistent_buffers_set"):
+        if name in model.__dict__:
+            wrapper.__dict__[name] = type(model.__dict__[name])(model.__dict__[name])
+    _install(wrapper, model, planner, copy_planner)
+    return wrapper
+
+
+def _install(wrapper: nn.Module, model: nn.Module, planner: Planner,
+             copy_planner: Callable[[nn.Module], Planner] | None) -> None:
+    """Give ``wrapper`` the forward, train, plan cache and copy rules of a planned
+    module of ``model``."""
     original_forward = type(model).forward
-    steps: dict[tuple, Any] = {}
+    steps: OrderedDict[tuple, Any] = OrderedDict()
+    dropped: set[tuple] = set()  # signatures whose plans the cache dropped
+    warned = [False]  # the cache has dropped a plan (a warning, once)
+    checked = [-1]  # hook_registrations() when the submodules were last seen without hooks
 
     def plan_now(args: tuple, kwargs: dict) -> Any:
-        step = steps[input_signature(args, kwargs)] = planner(model, args, kwargs)
+        key = input_signature(args, kwargs)
+        again = "it was planned before" if key in steps else (
+            f"its plan was dropped (a module keeps the {PLAN_CACHE_SIZE} most recently used plans)"
+            if key in dropped else None)
+        with root_hooks_off(model):
+            step = planner(model, args, kwargs)
+        steps[key] = step
+        steps.move_to_end(key)
+        dropped.discard(key)
+        while len(steps) > PLAN_CACHE_SIZE:
+            old, _ = steps.popitem(last=False)
+            if not warned[0]:
+                warnings.warn(f"{type(model).__name__} was called with more than {PLAN_CACHE_SIZE} input "
+                              "signatures (shapes, dtypes, autocast state) in training: the least recently "
+                              "used plan is dropped and made again when its signature comes back; pad inputs "
+                              "to a few fixed shapes to plan once", stacklevel=4)
+            dropped.add(old)
+            warned[0] = True
         actions = getattr(step, "actions", None)  # a module-mode step, perhaps wrapped
         if actions is not None:
             wrapper.remat_plan = actions
+        report = wrapper.__dict__.get("report")
+        if again is not None and report is not None:
+            report.notes.append(f"this plan was made again for an input signature: {again}")
+        checked[0] = -1
         return step
+
+    def check_hooks() -> None:
+        now = hook_registrations()
+        if now == checked[0]:
+            return
+        found = forward_hooks(wrapper, root=False)
+        if found:
+            raise HookNotRun(
+                f"{type(model).__name__}'s planned step runs a captured graph, which does not call its "
+                f"submodules, so these hooks would not fire: {', '.join(found)}. Remove them, or optimize "
+                "the model with mode='module' (its steps call the submodules, and their hooks fire)")
+        checked[0] = now
 
     @functools.wraps(original_forward)
     def forward(*args: Any, **kwargs: Any) -> Any:
-        if not (wrapper.training and torch.is_grad_enabled()):
+        if not (wrapper.training and model.training and torch.is_grad_enabled()):
             return original_forward(wrapper, *args, **kwargs)
-        step = steps.get(input_signature(args, kwargs))
+        key = input_signature(args, kwargs)
+        step = steps.get(key)
         if step is None:
             step = plan_now(args, kwargs)
+        else:
+            steps.move_to_end(key)
+        if getattr(step, "hooks_captured", True):
+            check_hooks()
         return step(wrapper, args, kwargs)
 
+    def train(mode: bool = True) -> nn.Module:
+        type(wrapper).train(wrapper, mode)
+        model.training = mode
+        return wrapper
+
+    def deepcopy(memo: dict) -> nn.Module:
+        model_copy = copy.deepcopy(model, memo)
+        new = object.__new__(type(wrapper))
+        memo[id(wrapper)] = new
+        state = {k: v for k, v in wrapper.__dict__.items() if k not in PLAN_STATE and not k.startswith("_remat")}
+        new.__dict__.update(copy.deepcopy(state, memo))
+        for m in list(model_copy.modules()) + list(new.modules()):
+            _drop_plan_wrapper(m)
+        new_planner = planner if copy_planner is None else copy_planner(new)
+        _install(new, model_copy, new_planner, copy_planner)
+        return new
+
+    def reduce_ex(protocol: int) -> Any:  # copy.copy reduces too: it gets a shallow copy
+        refusal = _Refused(f"a module returned by solver.optimize is not pickled (its plans hold captured "
+                           f"graphs and closures): save its state_dict(), whose keys are those of "
+                           f"{type(model).__name__}, or the original model, and optimize it again after loading")
+        return _rebuild, (refusal, type(wrapper)), dict(wrapper.__dict__)
+
     wrapper.forward = forward
+    wrapper.train = train
+    wrapper.__deepcopy__ = deepcopy
+    wrapper.__reduce_ex__ = reduce_ex
     wrapper.remat_steps = steps
     wrapper.remat_plan_now = plan_now
-    return wrapper
+
+
+class _Refused:
+    """Pickling it raises :class:`NotPicklable` with its message (a shallow copy passes
+    it along untouched)."""
+
+    def __init__(self, message: str) -> None:
+        self.message = message
+
+    def __reduce_ex__(self, protocol: int) -> Any:
+        raise NotPicklable(self.message)
+
+
+def _rebuild(refusal: _Refused, cls: type) -> nn.Module:
+    return object.__new__(cls)
+
+
+def _drop_plan_wrapper(module: nn.Module) -> None:
+    """Undo, on a deep copy, module mode's per-block forward wrapper: copied, it would
+    still call the block it was made for (the original's parameters)."""
+    forward = module.__dict__.get("forward")
+    original = getattr(forward, "__remat_original__", None)
+    if original is not None and getattr(original, "__func__", None) is type(module).forward:
+        del module.__dict__["forward"]

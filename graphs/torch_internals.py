@@ -334,9 +334,19 @@ def local_tensor(t: torch.Tensor) -> torch.Tensor:
 
 
 # ---------------------------------------------------------------- module hooks
-def forward_hooks(model: torch.nn.Module) -> list[str]:
+__all__ += ["hook_registrations", "root_hooks_off"]
+
+#: the attributes of a module that hold the hooks ``nn.Module.__call__`` runs
+_CALL_HOOKS = ("_forward_pre_hooks", "_forward_pre_hooks_with_kwargs", "_forward_hooks",
+               "_forward_hooks_with_kwargs", "_forward_hooks_always_called", "_backward_pre_hooks",
+               "_backward_hooks")
+
+
+def forward_hooks(model: torch.nn.Module, *, root: bool = True) -> list[str]:
     """The forward hooks and pre-hooks registered on ``model``, its submodules, and for
-    every module (``register_module_forward_hook``), as ``"path: hook name"``.
+    every module (``register_module_forward_hook``), as ``"path: hook name"``; with them
+    the full backward hooks and pre-hooks (``register_full_backward_hook``), which
+    run around the same call. ``root=False`` leaves out the hooks of ``model`` itself.
 
     Examples
     --------
@@ -344,6 +354,9 @@ def forward_hooks(model: torch.nn.Module) -> list[str]:
     >>> def log_shapes(module, args, out): pass
     >>> _ = net[0].register_forward_hook(log_shapes)
     >>> forward_hooks(net)
+    ['0: forward hook log_shapes']
+    >>> _ = net.register_forward_pre_hook(lambda module, args: None)
+    >>> forward_hooks(net, root=False)
     ['0: forward hook log_shapes']
     """
     import torch.nn.modules.module as module_mod
@@ -353,10 +366,59 @@ def forward_hooks(model: torch.nn.Module) -> list[str]:
 
     found = names(module_mod._global_forward_pre_hooks, "global forward pre-hook", "(every module)")
     found += names(module_mod._global_forward_hooks, "global forward hook", "(every module)")
+    found += names(module_mod._global_backward_pre_hooks, "global backward pre-hook", "(every module)")
+    found += names(module_mod._global_backward_hooks, "global backward hook", "(every module)")
     for path, mod in model.named_modules():
+        if not path and not root:
+            continue
         found += names(mod._forward_pre_hooks, "forward pre-hook", path or "(the model)")
         found += names(mod._forward_hooks, "forward hook", path or "(the model)")
+        found += names(mod._backward_pre_hooks, "backward pre-hook", path or "(the model)")
+        found += names(mod._backward_hooks, "backward hook", path or "(the model)")
     return found
+
+
+def hook_registrations() -> int:
+    """How many hooks torch has handed out a handle for in this process, of any kind
+    (modules, tensors, state dicts): unchanged means no hook was registered since.
+
+    Examples
+    --------
+    >>> before = hook_registrations()
+    >>> _ = torch.nn.Linear(2, 2).register_forward_hook(lambda m, a, o: None)
+    >>> hook_registrations() > before
+    True
+    """
+    import torch.utils.hooks
+
+    return torch.utils.hooks.RemovableHandle.next_id
+
+
+@contextlib.contextmanager
+def root_hooks_off(model: torch.nn.Module) -> Iterator[None]:
+    """Inside the block, calling ``model`` runs none of its own forward and backward
+    hooks (those of its submodules still run); they are back on exit.
+
+    For capturing ``model``'s step when another module's ``__call__`` runs these hooks
+    around it (tracing the call would bake them into the graph).
+
+    Examples
+    --------
+    >>> net = torch.nn.Linear(2, 2)
+    >>> _ = net.register_forward_hook(lambda m, a, o: o * 0)
+    >>> with root_hooks_off(net):
+    ...     bool(net(torch.ones(1, 2)).abs().sum() > 0)
+    True
+    >>> net(torch.ones(1, 2)).abs().sum().item()
+    0.0
+    """
+    saved = {name: model.__dict__[name] for name in _CALL_HOOKS if name in model.__dict__}
+    for name, hooks in saved.items():
+        model.__dict__[name] = type(hooks)()
+    try:
+        yield
+    finally:
+        model.__dict__.update(saved)
 
 
 # ---------------------------------------------------------------- profiler results

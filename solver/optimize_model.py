@@ -23,6 +23,7 @@ with FSDP2's ``fully_shard``; :mod:`graphs.distributed`).
 
 from __future__ import annotations
 
+import dataclasses
 import functools
 import math
 from typing import Any, Callable
@@ -51,7 +52,7 @@ def optimize(
     *,
     method: str = "auto",
     time_limit: float | None = None,
-    mode: str = "graph",
+    mode: str | None = None,
     activation_budget: bool = False,
     optimizer: torch.optim.Optimizer | None = None,
     verify: bool = False,
@@ -93,11 +94,20 @@ def optimize(
         A solver method (:func:`solver.methods`) or ``"auto"``; graph mode only.
     time_limit : float, optional
         Seconds for the solver.
-    mode : {"graph", "module"}
+    mode : {None, "graph", "module"}
         ``"graph"``: tensor level, exact (the forward keeps exactly the stored tensors,
         backward recomputes the rest). ``"module"``: layer level, wrapping the model's
         own blocks with non-reentrant ``torch.utils.checkpoint`` or selective
         checkpointing (the form trainers, FSDP2 and HF models compose with).
+        ``None`` (default): graph mode, and module mode where graph mode cannot serve
+        the model (a report note says why): a submodule has forward or backward hooks
+        (a captured graph does not call submodules, so they would not fire), or no
+        graph-mode schedule passes the gradient self-check. ``"graph"`` pins graph mode:
+        those cases raise instead. Hooks on the model itself fire on every call in
+        both modes; hooks on submodules fire in module mode, and those inside a
+        checkpointed block fire again when backward recomputes it (as with
+        ``torch.utils.checkpoint``). A graph-mode module refuses a call
+        (:class:`graphs.planned.HookNotRun`) once a hook is added to a submodule.
     activation_budget : bool
         Read ``budget_gb`` as an activation-only budget.
     optimizer : torch.optim.Optimizer, optional
@@ -201,19 +211,30 @@ def optimize(
         model = optimize(model, 20.0, local_batch, mode="module", sharding="fsdp")
         opt = torch.optim.AdamW(model.parameters())
     """
+    pinned = mode is not None  # None: graph mode, falling back to module mode
+    mode = "graph" if mode is None else mode
+
     request = _request(model, budget_gb, mode=mode, method=method, time_limit=time_limit, compiler=compiler,
                        activation_budget=activation_budget, optimizer=optimizer, self_check=self_check,
                        blocks=blocks, measure_time=measure_time, world_size=world_size, mesh=mesh,
                        sharding=sharding, sharding_options=sharding_options, planned_now=example_inputs is not None,
                        loss_fn=loss_fn, watch=watch)
+    request = dataclasses.replace(request, mode_pinned=pinned)
     session = Session(loss_fn=loss_fn)
     planner = functools.partial(plan_step, request=request, session=session)
+
+    def copy_planner(copy: nn.Module) -> Any:  # a deep copy plans again, into its own report
+        own = Session(modules=[copy], loss_fn=loss_fn)
+        copy.report = None
+        copy.__dict__[SESSION] = own
+        return functools.partial(plan_step, request=request, session=own)
+
     if request.dp is not None:  # planned now, on this rank's batch, then wrapped for the rank
         args, kwargs = split_inputs(example_inputs)
         wrapper = request.dp.plan_and_wrap(model, planner=planner, args=args, kwargs=kwargs, blocks=blocks,
                                            session=session)
     else:
-        wrapper = wrap_planned(model, planner)
+        wrapper = wrap_planned(model, planner, copy_planner=copy_planner)
         session.modules.append(wrapper)
         wrapper.report = None
         if example_inputs is not None:

@@ -61,6 +61,7 @@ class Request:
     dp: Any = None  # solver.data_parallel.DataParallel
     loss_fn: Callable[[Any], Any] | None = None  # the user's loss on the model's output
     watch: str = "auto"  # when the real step is measured (solver.watch.WATCH)
+    mode_pinned: bool = False  # mode was given (not None): no fallback to the other mode
 
 
 @dataclass(frozen=True)
@@ -197,7 +198,33 @@ def backward_from_loss(cg: ComputeGraph) -> None:
 
 def plan_graph_checked(model: nn.Module, args: tuple, kwargs: dict, *, cap: Captured, request: Request,
                        session: Session, margin: int) -> Any:
-    """Graph mode's plan, its rewrite checked against the original's gradients."""
+    """Graph mode's plan, its rewrite checked against the original's gradients.
+
+    Where graph mode cannot serve the model (a submodule carries hooks, which a captured
+    graph would not run; no schedule passes the self-check), the plan is module mode's,
+    with a note, unless ``request.mode_pinned``: then a :class:`SolverError` (hooks:
+    :class:`graphs.planned.HookNotRun`) says what failed and suggests ``mode='module'``.
+    """
+    from dataclasses import replace
+
+    from graphs.planned import HookNotRun
+    from graphs.torch_internals import forward_hooks
+
+    def in_module_mode(why: str) -> Any:
+        module_request = replace(request, mode="module")
+        module_cap = capture_step(model, args, kwargs, request=module_request)  # eager in-place ops: aliases
+        step = plan_module(model, cap=module_cap, request=module_request, session=session, margin=margin)
+        session.report.notes.append(f"planned in module mode: {why} (mode='graph' raises instead)")
+        return step
+
+    hooks = forward_hooks(model, root=False)
+    if hooks:
+        why = f"graph mode's captured step does not call submodules, so their hooks would not fire ({', '.join(hooks)})"
+        if request.mode_pinned:
+            raise HookNotRun(f"{why}; remove them, or use mode='module' (its steps call the submodules, and "
+                             "their hooks fire)")
+        return in_module_mode(why)
+
     def original_peak() -> int | None:
         return measured_peak(model, lambda: type(model).forward(model, *args, **kwargs), args, kwargs,
                              loss_fn=request.loss_fn)
@@ -209,18 +236,24 @@ def plan_graph_checked(model: nn.Module, args: tuple, kwargs: dict, *, cap: Capt
         return out
     # a rewrite that does not give the model's gradients is never handed out
     first = session.report.method
+    tried = [first]
     if request.method == "auto":
         for fallback in FALLBACKS:
             try:
                 cand = plan_graph(cap=cap, request=request, session=session, method=fallback, margin=margin)
             except RematError:
                 continue
+            tried.append(fallback)
             if not isinstance(cand, ScheduledStep) or self_check(model, cand, args=args, kwargs=kwargs,
                                                                  session=session, loss_fn=request.loss_fn):
                 session.report.notes.append(f"the {first} schedule failed the gradient self-check; using {fallback}")
                 return cand
-    raise SolverError(f"the graph-mode rewrite ({first}) does not reproduce the model's gradients on the example "
-                      "batch; use mode='module' (please report this)")
+    why = (f"the graph-mode rewrite ({', '.join(tried)}) did not reproduce the model's loss and gradients on the "
+           "example batch")
+    if request.mode_pinned:
+        raise SolverError(f"{why}; use mode='module' (it checkpoints the model's own layer blocks), or "
+                          "self_check=False to use the rewrite unchecked")
+    return in_module_mode(why)
 
 
 def plan_graph(*, cap: Captured, request: Request, session: Session, method: str, margin: int = 0,
@@ -327,6 +360,9 @@ def one_run_per_op(cg: ComputeGraph, schedule: Schedule, budget: int) -> Schedul
 
 class EagerStep:
     """The original forward (the store-all schedule needs no rewrite)."""
+
+    #: the step calls the model's submodules, so their hooks fire as in eager
+    hooks_captured = False
 
     def __call__(self, model: nn.Module, args: tuple, kwargs: dict) -> Any:
         return type(model).forward(model, *args, **kwargs)

@@ -3,6 +3,8 @@ step measured."""
 
 from __future__ import annotations
 
+import copy
+import functools
 import math
 from dataclasses import dataclass, field
 from typing import Any
@@ -64,6 +66,11 @@ class Report:
     untracked_bytes: int | None = None
     graph: ComputeGraph | None = field(default=None, repr=False, compare=False)
     schedule: Schedule | None = field(default=None, repr=False, compare=False)
+
+    def __post_init__(self) -> None:
+        if self.graph is not None and getattr(self.graph, "fx", None) is not None:
+            # its fx graph and capture hold AOTAutograd's objects, which do not survive a deep copy
+            self.graph.__deepcopy__ = functools.partial(_graph_copy, self.graph)
 
     @property
     def fits(self) -> bool | None:
@@ -136,3 +143,14 @@ class Report:
         lines.append("  decisions:")
         lines.extend("    " + line for line in self.decisions.splitlines())
         return "\n".join(lines)
+
+
+def _graph_copy(graph: ComputeGraph, memo: dict) -> ComputeGraph:
+    """A deep copy of a captured graph without its fx graph and capture (``fx`` and
+    ``capture_info`` are None, as in a graph read from a file): costs, order and meta."""
+    shallow = copy.copy(graph)
+    shallow.__dict__.pop("__deepcopy__", None)
+    shallow.fx = shallow.capture_info = None
+    out = copy.deepcopy(shallow, memo)
+    memo[id(graph)] = out
+    return out
