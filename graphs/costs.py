@@ -35,7 +35,7 @@ import torch.fx
 
 from graphs.errors import CaptureError
 from graphs.hardware import Hardware
-from graphs.memory import AllocatorPeak, peak_of_events
+from graphs.memory import AllocatorPeak, peak_of_events, settle_open_judges
 from graphs.torch_internals import (allocation_events, is_op_overload, labelled_spans, op_schema, profiler_running,
                                    tree_leaves)
 
@@ -371,6 +371,7 @@ def annotate_measured_workspace(gm: torch.fx.GraphModule, args: list[Any]) -> di
     {'mm': 0, 'relu': 0}
     """
     devices = {t.device.type for t in args if isinstance(t, torch.Tensor)} - {"cpu"}
+    settle_open_judges()  # a watched step's measurement still open
     if not devices and profiler_running():
         log.warning("a torch profiler is running: op workspaces are estimated, not measured")
         return annotate_estimated_workspace(gm)
