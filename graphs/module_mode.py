@@ -186,11 +186,21 @@ class _RecomputeContext:
             self.snapshot = []
 
 
-def _wrapped_forward(module: nn.Module, name: str, original: Callable) -> Callable:
-    @functools.wraps(original)
-    def forward(*args: Any, **kwargs: Any) -> Any:
+class _BlockForward:
+    """A layer block's forward under the active plan (set on the block as ``forward``).
+
+    An object rather than a closure, so that ``copy.deepcopy`` of a model whose blocks
+    carry it gives blocks that run with their own parameters: ``module`` and the bound
+    ``original`` are copied with the block."""
+
+    def __init__(self, module: nn.Module, name: str, original: Callable) -> None:
+        self.module, self.name, self.__remat_original__ = module, name, original
+        functools.update_wrapper(self, original)  # signature and name of the block's forward
+
+    def __call__(self, *args: Any, **kwargs: Any) -> Any:
+        original, module = self.__remat_original__, self.module
         plan = _active_plan()
-        action = plan.get(name, LayerAction.NONE) if plan is not None else LayerAction.NONE
+        action = plan.get(self.name, LayerAction.NONE) if plan is not None else LayerAction.NONE
         if action == LayerAction.NONE or not torch.is_grad_enabled() or not module.training:
             return original(*args, **kwargs)
         if action == LayerAction.OFFLOAD:
@@ -201,8 +211,9 @@ def _wrapped_forward(module: nn.Module, name: str, original: Callable) -> Callab
             context_fn=_context_fn(module, action), **kwargs,
         )
 
-    forward.__remat_original__ = original  # type: ignore[attr-defined]
-    return forward
+
+def _wrapped_forward(module: nn.Module, name: str, original: Callable) -> Callable:
+    return _BlockForward(module, name, original)
 
 
 def apply_module_plan(model: nn.Module, plan: Mapping[str, str]) -> nn.Module:
