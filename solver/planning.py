@@ -25,6 +25,7 @@ from graphs.graph_mode import ScheduledStep
 from graphs.module_mode import layer_blocks
 from graphs.planned import ModuleStep
 from graphs.rewrite import replay_random_ops
+from graphs.units import format_bytes
 from solver.checks import Session, fit_measured, measured_peak, self_check
 from solver.errors import SolverError
 from solver.fixed import SEED_RESERVE, untracked_bytes
@@ -130,6 +131,12 @@ def _plan_step(model: nn.Module, args: tuple, kwargs: dict, *, request: Request,
                             kwargs=kwargs, budget=cap.budget, session=session, loss_fn=request.loss_fn,
                             held_back=held_back)
     loss_note(session.report, cap.graph, loss_fn=request.loss_fn)
+    if cap.graph.meta.get("workspace_source") == "measured" and cap.store_all > cap.budget:
+        session.report.notes.append(
+            f"planning itself peaked near the store-all peak ({format_bytes(cap.store_all)}), over the budget: "
+            "capture runs the captured step once in store-all order to measure op workspaces"
+            + (" and times" if cap.graph.meta.get("time_source") == "measured" else "")
+            + " (the gradient check runs the model with its blocks checkpointed)")
     session.publish()
     log.info("%s", session.report)
     return step
