@@ -34,7 +34,7 @@ from torch import nn
 from torch.optim.optimizer import register_optimizer_step_pre_hook
 
 from graphs import RematError
-from graphs.memory import AllocatorPeak
+from graphs.memory import AllocatorPeak, settle_open_judges
 from graphs.torch_internals import at_backward_end, tree_leaves
 from graphs.units import format_bytes
 from solver.fixed import untracked_bytes
@@ -90,9 +90,9 @@ class WatchedStep:
         return getattr(self.step, name)
 
     def __call__(self, module: nn.Module, args: tuple, kwargs: dict) -> Any:
+        settle_open_judges()  # a forward whose backward never came, of this plan or another
         if self._replaced is not None:
             return self._replaced(module, args, kwargs)
-        self._abandon()  # a forward whose backward never came
         if self._excess > 0:
             self._replaced = self._plan_again()
             return self._replaced(module, args, kwargs)
@@ -104,6 +104,7 @@ class WatchedStep:
         except RematError:  # another profiler is running: not measured
             return self.step(module, args, kwargs)
         self._judge = judge
+        judge.close_later(self._abandon)  # until its backward ends: the next judge drops it
         try:
             out = self.step(module, args, kwargs)
         except BaseException:
