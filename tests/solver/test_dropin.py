@@ -87,8 +87,11 @@ def _check(name, frac, mode, *, amp_at_optimize, amp_in_training, bf16=False):
     ref, ref2 = copy.deepcopy(model), copy.deepcopy(model)
     with torch.autocast(**AUTOCAST, enabled=amp_at_optimize):
         budget = frac * _store_all(model, inputs)
-        fast = solver.optimize(model, budget / GiB, inputs, mode=mode, measure_time=False)
+        fast = solver.optimize(model, budget / GiB, inputs, mode=mode, measure_time=False, loss_fn=_loss)
     _assert_same(*(_steps(m, inputs, amp=amp_in_training) for m in (fast, ref, ref2)), bf16=bf16)
+    # the first real step of the plan the training used, by the allocator, the loss included
+    assert fast.report.step_peak_bytes is not None and fast.report.step_peak_bytes <= budget, (
+        fast.report.step_peak_bytes, budget)
     return fast
 
 
