@@ -14,6 +14,9 @@ The recipe, cheapest first:
    while the proven gap is above ``gap_tolerance``;
 6. on the winner, :func:`drop_recomputations`: the heuristics plan with a conservative
    memory model, and the recomputations the simulator shows the budget does not need go.
+7. the gap: when every candidate kept the reference order, the fixed-order lower bound
+   of :func:`solver.bounds.fixed_order_bound` (forced recomputation, then an LP at each
+   of the steps most over the budget), then, on small graphs, the MILP's bound.
 
 Every candidate is graded by :func:`solver.simulate`; the cheapest valid one within the
 budget wins (fewest steps on ties). ``schedule.info["auto"]`` records what was tried,
@@ -33,7 +36,7 @@ from solver.schedule import Schedule
 from solver.simulate import simulate
 
 __all__ = ["solve_auto", "drop_recomputations", "EXACT_MAX_OPS", "CHAIN_DP_MAX_OPS", "ORDER_GAIN", "BOUND_MAX_OPS",
-           "BOUND_LIMITED_MAX_OPS", "SMALL_OPS", "GAP_TOLERANCE"]
+           "BOUND_LIMITED_MAX_OPS", "SMALL_OPS", "GAP_TOLERANCE", "LP_BOUND_SECONDS"]
 
 log = logging.getLogger(__name__)
 
@@ -52,6 +55,8 @@ BOUND_MAX_OPS = 100
 BOUND_LIMITED_MAX_OPS = 400
 #: Default ``gap_tolerance``: auto stops proving once the gap on the extra compute is below.
 GAP_TOLERANCE = 0.01
+#: Without a time limit, seconds at most for the LP bounds at single boundaries.
+LP_BOUND_SECONDS = 2.0
 #: Seconds below which a step that would start is skipped (it could not finish in time).
 MIN_SLICE = 0.3
 
@@ -255,10 +260,12 @@ def solve_auto(graph: ComputeGraph, budget: int, *, time_limit: float | None = N
             sched.info["fixed_order_lower_bound"] = float(sched.lower_bound)
     close = bound is not None and key[0] - bound <= tolerance * (key[0] - base) + 1e-9
     if use_bound and not close and "fixed_order_lower_bound" not in sched.info:
-        # the solver-free fixed-order bound first: milliseconds on thousands of ops
-        from solver.bounds import forced_recompute_bound
+        # the fixed-order bounds first: the forced recomputation (milliseconds on
+        # thousands of ops), then small LPs at the steps most over the budget
+        from solver.bounds import fixed_order_bound
 
-        lb = min(forced_recompute_bound(graph, budget), key[0])
+        lp_time = min(LP_BOUND_SECONDS, max(0.3, 0.25 * elapsed)) if unlimited else max(0.0, 0.5 * left())
+        lb = min(fixed_order_bound(graph, budget, time_limit=lp_time), key[0])
         if fixed_scope:
             bound = lb if bound is None else max(bound, lb)
             close = key[0] - bound <= tolerance * (key[0] - base) + 1e-9

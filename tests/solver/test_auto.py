@@ -70,14 +70,19 @@ ZOO = {
 
 
 @functools.lru_cache(maxsize=None)
-def _captured(name):
+def captured_model(name, **kwargs):
+    """The training step of ``examples.models.<name>(**kwargs)`` (seed 0), captured."""
     torch = pytest.importorskip("torch")
     from examples import models
     from graphs.capture import capture
 
     torch.manual_seed(0)
-    model, x = getattr(models, name)(**ZOO[name])
+    model, x = getattr(models, name)(**kwargs)
     return capture(model, x, backward="outputs", measure_time=False)
+
+
+def _captured(name):
+    return captured_model(name, **ZOO[name])
 
 
 def _budgets(g):
