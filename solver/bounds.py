@@ -28,7 +28,7 @@ import math
 
 from graphs import ComputeGraph
 
-__all__ = ["forced_recompute_bound", "stage_lp_bound", "fixed_order_bound", "STAGES", "TRIES"]
+__all__ = ["forced_recompute_bound", "stage_lp_bound", "fixed_order_bound", "worst_step", "STAGES", "TRIES"]
 
 
 def _least_time(d: dict) -> float:
@@ -178,7 +178,8 @@ def _pick_boundaries(excess: list[float], allowed: list[bool], stages: int) -> l
 
 
 def stage_lp_bound(graph: ComputeGraph, budget_bytes: int, *, stages: int = STAGES,
-                   boundaries: list | None = None, time_limit: float | None = None) -> float | None:
+                   boundaries: list | None = None, time_limit: float | None = None,
+                   kept: dict | None = None) -> float | None:
     """A lower bound on the cost of any schedule whose first computations follow the
     reference order: the linear relaxation of the schedule at a few steps (stages).
 
@@ -211,6 +212,9 @@ def stage_lp_bound(graph: ComputeGraph, budget_bytes: int, *, stages: int = STAG
         The boundary ops (not projections of a multi-output op).
     time_limit : float, optional
         Seconds for building and solving the LP; past them the answer is None.
+    kept : dict, optional
+        Filled, when the LP is solved, with node id -> the LP's fraction of that value
+        live at the first boundary (the values it may drop; a guide for heuristics).
 
     Returns
     -------
@@ -293,7 +297,7 @@ def stage_lp_bound(graph: ComputeGraph, budget_bytes: int, *, stages: int = STAG
         redo: dict = {}  # (i, k) -> variable: i is computed again in interval k
         todo: list = []
 
-        def kept(i: int, k: int):
+        def live(i: int, k: int):
             """"i is live at boundary k": a variable, or 1.0 where it is so anyway (an
             input or the output of t_k, a value of 0 bytes)."""
             if size[i] == 0 or i == marks[k] or i in inputs[k]:
@@ -333,7 +337,7 @@ def stage_lp_bound(graph: ComputeGraph, budget_bytes: int, *, stages: int = STAG
                     continue
                 # needed after t_k: live now, or computed again before its next read
                 r = next((w for w in readers[i] if w > t), n)
-                terms = [kept(i, k)]
+                terms = [live(i, k)]
                 for k2 in range(k, interval(r) + 1 if r < n else m):
                     terms.append(again(i, k2))
                 at_least(terms, 1.0)
@@ -344,7 +348,7 @@ def stage_lp_bound(graph: ComputeGraph, budget_bytes: int, *, stages: int = STAG
                 # live at t_k: live at t_{k-1} or computed in between (unless first computed then)
                 if k == 0 or i >= marks[k - 1]:
                     continue
-                at_least([kept(i, k - 1), again(i, k - 1), (keep[(i, k)], -1.0)], 0.0)
+                at_least([live(i, k - 1), again(i, k - 1), (keep[(i, k)], -1.0)], 0.0)
             else:
                 # computed again in interval k: each input live at t_k or computed again in
                 # interval k too (an input first computed after t_k needs nothing)
@@ -352,7 +356,7 @@ def stage_lp_bound(graph: ComputeGraph, budget_bytes: int, *, stages: int = STAG
                 for j in preds[i]:
                     if j >= marks[k]:
                         continue
-                    at_least([kept(j, k), again(j, k), (q, -1.0)], 0.0)
+                    at_least([live(j, k), again(j, k), (q, -1.0)], 0.0)
         for k, t in enumerate(marks):
             need = size[t] + int(nodes[ops[t]].get("workspace", 0)) + sum(size[i] for i in inputs[k])
             if need > room:
@@ -391,6 +395,8 @@ def stage_lp_bound(graph: ComputeGraph, budget_bytes: int, *, stages: int = STAG
         return math.inf
     if status != lp.OPTIMAL:
         return None
+    if kept is not None:
+        kept.update({ops[i]: var.solution_value() for (i, k), var in keep.items() if k == 0})
     shortfall = sum(min(0.0, gt - sum(cost[i] for i in members)) for members, gt in groups.values())
     extra = max(0.0, objective.Value() * (1 - 1e-6) - 1e-12 * base) + shortfall
     return max(base, base + extra)
@@ -398,6 +404,16 @@ def stage_lp_bound(graph: ComputeGraph, budget_bytes: int, *, stages: int = STAG
 
 #: Single-boundary LPs that :func:`fixed_order_bound` tries by default.
 TRIES = 8
+
+
+def worst_step(graph: ComputeGraph, budget_bytes: int):
+    """The op whose first computation is most over ``budget_bytes`` when the reference
+    order runs store-all (projections of multi-output ops excluded), or None when every
+    step fits."""
+    ops, index, size, last_read = _reference(graph)
+    excess = _excess(graph, ops, index, size, last_read, int(budget_bytes) - graph.fixed_bytes)
+    over = [t for t in range(len(ops)) if excess[t] > 0 and graph[ops[t]].get("group") is None]
+    return ops[max(over, key=lambda t: (excess[t], -t))] if over else None
 
 
 def fixed_order_bound(graph: ComputeGraph, budget_bytes: int, *, tries: int = TRIES,

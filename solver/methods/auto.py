@@ -4,7 +4,8 @@ The recipe, cheapest first:
 
 1. store-all, when the reference order fits (no extra compute: optimal);
 2. ``eviction`` on the reference order (fast, near-optimal on training graphs);
-3. ``chain_dp`` on training graphs (optimal for chains of stages);
+3. ``chain_dp`` on training graphs (optimal for chains of stages), then ``lp_eviction``
+   (eviction guided by the stage LP's plan, with its unneeded recomputations removed);
 4. ``order_search`` (free order) where order freedom matters: forward-only graphs, or
    training graphs whose greedy low-memory order lowers the reference peak; then the
    low-memory recipe of :func:`~solver.methods.minpeak.min_peak_sequence`, which
@@ -36,7 +37,8 @@ from solver.schedule import Schedule
 from solver.simulate import simulate
 
 __all__ = ["solve_auto", "drop_recomputations", "EXACT_MAX_OPS", "CHAIN_DP_MAX_OPS", "ORDER_GAIN", "BOUND_MAX_OPS",
-           "BOUND_LIMITED_MAX_OPS", "SMALL_OPS", "GAP_TOLERANCE", "LP_BOUND_SECONDS"]
+           "BOUND_LIMITED_MAX_OPS", "SMALL_OPS", "GAP_TOLERANCE", "LP_BOUND_SECONDS",
+           "LP_EVICTION_SECONDS"]
 
 log = logging.getLogger(__name__)
 
@@ -55,6 +57,8 @@ BOUND_MAX_OPS = 100
 BOUND_LIMITED_MAX_OPS = 400
 #: Default ``gap_tolerance``: auto stops proving once the gap on the extra compute is below.
 GAP_TOLERANCE = 0.01
+#: Without a time limit, seconds at most for ``lp_eviction``.
+LP_EVICTION_SECONDS = 3.0
 #: Without a time limit, seconds at most for the LP bounds at single boundaries.
 LP_BOUND_SECONDS = 2.0
 #: Seconds below which a step that would start is skipped (it could not finish in time).
@@ -194,6 +198,10 @@ def solve_auto(graph: ComputeGraph, budget: int, *, time_limit: float | None = N
         if training and extra() and n <= CHAIN_DP_MAX_OPS:
             run("chain_dp", "the graph is a chain of stages: the DP is optimal for chains",
                 time_limit=max(0.1, min(0.5, 0.1 * limit)))
+        # 3b. eviction guided by the stage LP's plan at the step most over the budget
+        if training and extra():
+            run("lp_eviction", "eviction guided by the stage LP's relaxed plan",
+                time_limit=max(0.3, min(LP_EVICTION_SECONDS if unlimited else 0.4 * limit, 0.5 * left())))
         # 4. order search where order freedom matters: forward-only graphs, or when a
         #    low-memory order beats the reference peak
         if extra():
