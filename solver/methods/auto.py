@@ -201,7 +201,7 @@ def solve_auto(graph: ComputeGraph, budget: int, *, time_limit: float | None = N
         # 3b. eviction guided by the stage LP's plan at the step most over the budget
         if training and extra():
             run("lp_eviction", "eviction guided by the stage LP's relaxed plan",
-                time_limit=max(0.3, min(LP_EVICTION_SECONDS if unlimited else 0.4 * limit, 0.5 * left())))
+                time_limit=max(0.3, min(LP_EVICTION_SECONDS, 0.5 * left()) if unlimited else 0.6 * left()))
         # 4. order search where order freedom matters: forward-only graphs, or when a
         #    low-memory order beats the reference peak
         if extra():

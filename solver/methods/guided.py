@@ -5,7 +5,8 @@ relaxed optimum, which values stay live there and which are dropped and computed
 Eviction (:mod:`solver.methods.eviction`) then runs with every score, the score of each
 value the LP drops (live fraction below one half) scaled down by :data:`DROPPED`, so
 that those go first; the recomputations each sequence does not need are then removed
-(:func:`~solver.methods.auto.drop_recomputations`). The cheapest sequence wins; the
+(:func:`~solver.methods.auto.drop_recomputations`), cheapest passes first while
+time is left. The cheapest sequence wins; the
 LP's bound comes with it as ``lower_bound`` (a fixed-order bound, and the sequence
 keeps the reference order).
 """
@@ -58,7 +59,8 @@ def lp_eviction(graph: ComputeGraph, budget_bytes: int, *, time_limit: float | N
     Notes
     -----
     One LP (``ops`` variables, ``edges`` constraints), then one eviction pass and one
-    removal pass (a simulation per recomputation) per score.
+    removal pass (a simulation per recomputation) per score, the passes of least cost
+    first.
 
     Examples
     --------
@@ -88,13 +90,18 @@ def lp_eviction(graph: ComputeGraph, budget_bytes: int, *, time_limit: float | N
     from solver.simulate import simulate
 
     priority = [DROPPED if live.get(v, 1.0) < 0.5 else 1.0 for v in ix.ids]
-    best, best_key, info = None, None, {}
+    passes = []
     for sc in scores:
-        if best is not None and deadline is not None and _time.perf_counter() > deadline:
+        if passes and deadline is not None and _time.perf_counter() > deadline:
             break
         seq = evict_sequence(ix, range(ix.n), budget_bytes, score=sc, deadline=deadline, priority=priority)
-        if seq is None:
-            continue
+        if seq is not None:
+            passes.append((sum(ix.time[v] for v in seq), len(seq), sc, seq))
+    # the removals cost a simulation each: the cheapest passes first, while time is left
+    best, best_key, info = None, None, {}
+    for _, _, sc, seq in sorted(passes, key=lambda p: p[:2]):
+        if best is not None and deadline is not None and _time.perf_counter() > deadline:
+            break
         ids = drop_recomputations(graph, [ix.ids[i] for i in seq], budget_bytes, deadline=deadline)
         key = (simulate(graph, ids).cost, len(ids))
         if best_key is None or key < best_key:
