@@ -1,12 +1,16 @@
-"""Every registered method on every public benchmark graph at 0.9x and 0.8x the topo peak.
+"""Every registered method on every public benchmark graph at 0.9x and 0.8x the topo peak,
+and on the captured zoo (GPT, HF GPT-2, Llama, ResNet, U-Net) at 0.7x, 0.5x and 0.3x.
 
 For each graph, budget and method: extra compute over store-all, peak / budget, solve
 time, lower bound and gap (on the extra compute), whether the method keeps the reference
 order (fixed) or may reorder (free), and the Moccasin reference figure from the
 benchmarks README. Every schedule is graded by ``solver.simulate`` inside ``solver.solve``.
+The zoo's graphs are captured on this machine (random weights, times measured on its
+CPU), so their figures are this machine's.
 
 Run: ``python benchmarks/graphs.py [--graphs DIR] [--time-limit S] [--large-time-limit S]
-[--methods a,b] [--only SUBSTR]``; writes ``benchmarks/results/graphs.json`` and ``graphs.md``.
+[--methods a,b] [--only SUBSTR] [--zoo] [--zoo-only] [--zoo-methods a,b]``; writes
+``benchmarks/results/graphs.json`` and ``graphs.md`` (and ``zoo.json``, ``zoo.md``).
 """
 
 from __future__ import annotations
@@ -112,6 +116,63 @@ def run(graphs_dir: pathlib.Path, *, time_limit: float, only: str | None, method
     return rows
 
 
+#: The captured zoo: name -> (builder in ``examples.models``, its options).
+ZOO = {
+    "GPT 4L d128 seq128 b8": ("gpt", dict(n_layer=4, d=128, n_head=4, seq=128, batch=8)),
+    "HF GPT-2 4L d128 seq128 b8": ("hf_gpt2", dict(n_layer=4, d=128, n_head=4, seq=128, batch=8)),
+    "Llama 4L d128 seq128 b8": ("hf_llama", dict(n_layer=4, d=128, n_head=4, seq=128, batch=8)),
+    "ResNet w16 64px b16 3 blocks": ("resnet", dict(batch=16, width=16, size=64, blocks=3)),
+    "U-Net w16 64px b8 depth 3": ("unet", dict(batch=8, width=16, size=64, depth=3)),
+}
+ZOO_FRACTIONS = (0.7, 0.5, 0.3)
+ZOO_METHODS = ("auto", "eviction", "lp_eviction", "hierarchical", "chain_dp", "checkmate_milp", "cpsat")
+
+
+def zoo_graphs(only: str | None = None):
+    """Capture each zoo model's training step (yields name, ComputeGraph)."""
+    import torch
+
+    from examples import models
+    from graphs import capture
+
+    for name, (builder, kwargs) in ZOO.items():
+        if only and only not in name:
+            continue
+        torch.manual_seed(0)
+        model, inputs = getattr(models, builder)(**kwargs)
+        g = capture(model, inputs, backward="outputs")
+        g.name = name
+        yield name, g
+
+
+def run_zoo(*, time_limit: float, only: str | None, method_names: list[str] | None) -> list[dict]:
+    """Every zoo graph at :data:`ZOO_FRACTIONS` of its store-all peak, each method with
+    ``time_limit`` seconds."""
+    rows: list[dict] = []
+    for name, g in zoo_graphs(only):
+        topo = simulate(g, g.order).peak_bytes
+        for frac in ZOO_FRACTIONS:
+            budget = int(frac * topo)
+            for method in method_names or ZOO_METHODS:
+                row = {"graph": name, "ops": len(g.ops), "fraction": frac, "budget": budget, "method": method,
+                       "order": solver.methods()[method].order, "moccasin": "—"}
+                t0 = time.perf_counter()
+                try:
+                    s = solve(g, budget, method=method, time_limit=time_limit)
+                    row.update(status="ok", extra_pct=100 * s.overhead, peak_over_budget=s.peak_bytes / budget,
+                               lower_bound=s.lower_bound, gap=s.gap, picked=s.method,
+                               bound_scope=s.info.get("bound_scope"))
+                except InfeasibleBudget as exc:
+                    row.update(status="infeasible", smallest_feasible=exc.smallest_feasible_bytes / topo,
+                               message=str(exc)[:300])
+                except NoScheduleFound as exc:
+                    row.update(status="no schedule", message=str(exc)[:300])
+                row["seconds"] = time.perf_counter() - t0
+                rows.append(row)
+                print(_line(row), flush=True)
+    return rows
+
+
 def _line(r: dict) -> str:
     if r["status"] == "ok":
         gap = "—" if r.get("gap") is None else f"{100 * r['gap']:.1f} %"
@@ -155,6 +216,11 @@ def main() -> None:
     ap.add_argument("--methods", default=None, help="comma-separated method names (default: all)")
     ap.add_argument("--only", default=None, help="only graphs whose file name contains this")
     ap.add_argument("--out", type=pathlib.Path, default=ROOT / "results")
+    ap.add_argument("--zoo", action="store_true", help="also run the captured zoo")
+    ap.add_argument("--zoo-only", action="store_true", help="run only the captured zoo")
+    ap.add_argument("--zoo-time-limit", type=float, default=10.0, help="seconds per method and zoo cell")
+    ap.add_argument("--zoo-methods", default=None, help="comma-separated methods for the zoo "
+                    f"(default: {','.join(ZOO_METHODS)})")
     args = ap.parse_args()
     try:
         import torch
@@ -163,6 +229,15 @@ def main() -> None:
     except ImportError:
         pass
     logging.basicConfig(level=logging.WARNING)
+    args.out.mkdir(parents=True, exist_ok=True)
+    if args.zoo or args.zoo_only:
+        zoo = run_zoo(time_limit=args.zoo_time_limit, only=args.only,
+                      method_names=args.zoo_methods.split(",") if args.zoo_methods else None)
+        (args.out / "zoo.json").write_text(json.dumps(zoo, indent=1, default=str))
+        (args.out / "zoo.md").write_text(markdown(zoo))
+        print(f"wrote {args.out / 'zoo.json'} and {args.out / 'zoo.md'}")
+        if args.zoo_only:
+            return
     rows = run(args.graphs, time_limit=args.time_limit, only=args.only,
                method_names=args.methods.split(",") if args.methods else None,
                large_limit=args.large_time_limit)

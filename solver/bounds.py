@@ -28,7 +28,7 @@ import math
 
 from graphs import ComputeGraph
 
-__all__ = ["forced_recompute_bound"]
+__all__ = ["forced_recompute_bound", "stage_lp_bound", "fixed_order_bound", "worst_step", "STAGES", "TRIES"]
 
 
 def _least_time(d: dict) -> float:
@@ -43,6 +43,40 @@ def _least_workspace(d: dict) -> int:
     if d.get("group") is not None:
         ws = min(ws, int(d.get("run_workspace", ws)))
     return ws
+
+
+def _reference(graph: ComputeGraph) -> tuple[list, dict, list, list]:
+    """The reference order, its index, the bytes of each op and the index of its last
+    reader (``len(ops)`` for a step output: it is read at the end)."""
+    ops = list(graph.order)
+    nodes = graph.nx.nodes
+    index = {v: i for i, v in enumerate(ops)}
+    n = len(ops)
+    size = [int(nodes[v]["bytes"]) for v in ops]
+    last_read = [n if nodes[v].get("output", False) else max((index[w] for w in graph.op_succs(v)), default=-1)
+                 for v in ops]
+    return ops, index, size, last_read
+
+
+def _sweep(graph: ComputeGraph, ops: list, index: dict, last_read: list):
+    """Each step ``t`` of the reference order with its op inputs and the values computed
+    before ``t`` and read after it (``live``, a list the caller must not keep)."""
+    live: list[int] = []
+    for t, v in enumerate(ops):
+        yield t, {index[u] for u in graph.op_preds(v)}, live
+        live = [i for i in live if last_read[i] > t + 1]
+        if last_read[t] > t + 1:
+            live.append(t)
+
+
+def _excess(graph: ComputeGraph, ops: list, index: dict, size: list, last_read: list, room: int) -> list[int]:
+    """Bytes by which each step of the reference order, run store-all, is over ``room``."""
+    nodes = graph.nx.nodes
+    out = []
+    for t, inputs, live in _sweep(graph, ops, index, last_read):
+        need = size[t] + _least_workspace(nodes[ops[t]]) + sum(size[i] for i in inputs | set(live))
+        out.append(need - room)
+    return out
 
 
 def forced_recompute_bound(graph: ComputeGraph, budget_bytes: int) -> float:
@@ -77,23 +111,15 @@ def forced_recompute_bound(graph: ComputeGraph, budget_bytes: int) -> float:
     >>> forced_recompute_bound(g, 6)
     inf
     """
-    ops = list(graph.order)
+    ops, index, size, last_read = _reference(graph)
     nodes = graph.nx.nodes
-    index = {v: i for i, v in enumerate(ops)}
     base = float(sum(nodes[v]["time"] for v in ops))
-    n = len(ops)
-    # a step output is read at the end of the step (index n)
-    last_read = [n if nodes[v].get("output", False) else max((index[w] for w in graph.op_succs(v)), default=-1)
-                 for v in ops]
-    size = [int(nodes[v]["bytes"]) for v in ops]
     cost = [_least_time(nodes[v]) for v in ops]
     stays = [not nodes[v].get("recomputable", True) for v in ops]
     room = int(budget_bytes) - graph.fixed_bytes
-    live: list[int] = []  # values computed before t and read after t
     worst = 0.0
-    for t, v in enumerate(ops):
-        inputs = {index[u] for u in graph.op_preds(v)}
-        need = size[t] + _least_workspace(nodes[v]) + sum(size[i] for i in inputs)
+    for t, inputs, live in _sweep(graph, ops, index, last_read):
+        need = size[t] + _least_workspace(nodes[ops[t]]) + sum(size[i] for i in inputs)
         droppable = []
         for i in live:
             if i in inputs:
@@ -113,8 +139,331 @@ def forced_recompute_bound(graph: ComputeGraph, budget_bytes: int) -> float:
                 if excess <= 0:
                     break
             worst = max(worst, amount)
-        live = [i for i in live if last_read[i] > t + 1]
-        if last_read[t] > t + 1:
-            live.append(t)
     # a hair below, so that float rounding never lifts it above a schedule's cost
     return base + max(0.0, worst * (1 - 1e-9))
+
+
+# ---------------------------------------------------------------------------- stage LP
+#: Boundaries (steps of the reference order) of :func:`stage_lp_bound` by default. One
+#: is often the strongest: with more, a value kept in part at one boundary supports a
+#: part of a recomputation in each later interval, which the relaxation exploits.
+STAGES = 1
+
+
+def _groups(graph: ComputeGraph, ops: list) -> dict:
+    """Multi-output groups whose projections are charged ``group_time`` per run:
+    group -> (indices of its projections, group_time)."""
+    nodes = graph.nx.nodes
+    out: dict = {}
+    for i, v in enumerate(ops):
+        d = nodes[v]
+        if d.get("group") is not None and "group_time" in d:
+            members, gt = out.get(d["group"], ([], float(d["group_time"])))
+            members.append(i)
+            out[d["group"]] = (members, min(gt, float(d["group_time"])))
+    return out
+
+
+def _pick_boundaries(excess: list[float], allowed: list[bool], stages: int) -> list[int]:
+    """Up to ``stages`` steps where the reference order is over the budget: the worst one
+    and others spread evenly over the over-budget steps, in order."""
+    over = [t for t, e in enumerate(excess) if e > 0 and allowed[t]]
+    if not over:
+        return []
+    picks = {max(over, key=lambda t: excess[t])}
+    if stages > 1:
+        for j in range(stages - 1):
+            picks.add(over[round(j * (len(over) - 1) / max(1, stages - 2))])
+    return sorted(picks)[:max(1, stages)] if len(picks) > stages else sorted(picks)
+
+
+def stage_lp_bound(graph: ComputeGraph, budget_bytes: int, *, stages: int = STAGES,
+                   boundaries: list | None = None, time_limit: float | None = None,
+                   kept: dict | None = None) -> float | None:
+    """A lower bound on the cost of any schedule whose first computations follow the
+    reference order: the linear relaxation of the schedule at a few steps (stages).
+
+    At the first computation of each boundary op ``t_k`` (the over-budget steps of the
+    reference order, by default the worst one and others spread over them), the values
+    live then must fit the budget beside op ``t_k``'s inputs, output and workspace. A
+    value that a later op reads and that is not live then is computed again before that
+    read, in the interval up to the next boundary or a later one; a value live at a
+    boundary was live at the previous one or was computed in between; and a
+    recomputation in an interval needs each input live at the interval's start or
+    computed again in it. With 0/1 variables "live at boundary k" and "computed again
+    in interval k" every fixed-order schedule satisfies these constraints, and its extra
+    compute is at least the time of what it computes again; the LP relaxation of that
+    (GLOP) gives the bound. More boundaries give a tighter bound and a larger LP.
+
+    Multi-output groups with ``group_time``: an interval in which a projection is
+    computed again and none first runs holds one more run of the op, which costs
+    ``group_time`` (boundaries are never projections, so runs never straddle them).
+    Values of 0 bytes (aliases) stay live for free. Values that must not be recomputed
+    are never computed again.
+
+    Parameters
+    ----------
+    graph : ComputeGraph
+    budget_bytes : int
+        Peak bytes allowed, fixed bytes included.
+    stages : int
+        How many boundaries to pick (ignored when ``boundaries`` is given).
+    boundaries : list of node ids, optional
+        The boundary ops (not projections of a multi-output op).
+    time_limit : float, optional
+        Seconds for building and solving the LP; past them the answer is None.
+    kept : dict, optional
+        Filled, when the LP is solved, with node id -> the LP's fraction of that value
+        live at the first boundary (the values it may drop; a guide for heuristics).
+
+    Returns
+    -------
+    float or None
+        At least the store-all cost; ``math.inf`` when the LP proves that no fixed-order
+        schedule fits; None when the LP did not finish in time.
+
+    Raises
+    ------
+    ValueError
+        A boundary is not an op of the graph, or is a projection of a multi-output op.
+
+    Notes
+    -----
+    ``stages x ops`` variables and ``stages x edges`` constraints.
+
+    Examples
+    --------
+    The graph of :func:`forced_recompute_bound`'s example: at ``c``, ``a`` goes and is
+    computed again for ``d``.
+
+    >>> g = ComputeGraph()
+    >>> for v, b in zip("abcd", [1, 4, 3, 3]): g.add_node(v, bytes=b, time=2.0)
+    >>> g.add_edge("a", "b"); g.add_edge("b", "c"); g.add_edge("c", "d"); g.add_edge("a", "d")
+    >>> round(stage_lp_bound(g, 7), 3)
+    10.0
+    """
+    from solver.deadline import Deadline, OutOfTime
+
+    deadline = Deadline(time_limit)
+    ops, index, size, last_read = _reference(graph)
+    nodes = graph.nx.nodes
+    n = len(ops)
+    base = float(sum(nodes[v]["time"] for v in ops))
+    if n == 0:
+        return base
+    cost = [float(nodes[v]["time"]) for v in ops]
+    can_redo = [bool(nodes[v].get("recomputable", True)) for v in ops]
+    preds = [sorted({index[u] for u in graph.op_preds(v)}) for v in ops]
+    readers = [sorted(index[w] for w in graph.op_succs(v)) for v in ops]
+    in_group = [nodes[v].get("group") is not None for v in ops]
+    room = int(budget_bytes) - graph.fixed_bytes
+    if boundaries is None:
+        excess = _excess(graph, ops, index, size, last_read, room)
+        marks = _pick_boundaries(excess, [not x for x in in_group], stages)
+    else:
+        marks = []
+        for v in boundaries:
+            if v not in index:
+                raise ValueError(f"boundary {v!r} is not an op of {graph.name or 'the graph'}")
+            if in_group[index[v]]:
+                raise ValueError(f"boundary {v!r} is a projection of a multi-output op; pick another op")
+            marks.append(index[v])
+        marks = sorted(set(marks))
+    if not marks:
+        return base
+    m = len(marks)
+    groups = _groups(graph, ops)
+    group_of = {i: g for g, (members, _) in groups.items() for i in members}
+
+    def interval(r: int) -> int:
+        """The interval ``k`` (``t_k < r <= t_{k+1}``) of the first computation of ``r``
+        (``m - 1`` for the end of the step)."""
+        lo, hi = 0, m - 1
+        while lo < hi:  # the last k with marks[k] < r
+            mid = (lo + hi + 1) // 2
+            if marks[mid] < r:
+                lo = mid
+            else:
+                hi = mid - 1
+        return lo
+
+    from solver.lp_backend import create_solver, solve_quietly
+
+    inputs = [set(preds[t]) for t in marks]
+    try:
+        lp = create_solver("GLOP")
+        scale = 1.0 / max(1, room)
+        keep: dict = {}  # (i, k) -> variable: a copy of i is live at boundary k
+        redo: dict = {}  # (i, k) -> variable: i is computed again in interval k
+        todo: list = []
+
+        def live(i: int, k: int):
+            """"i is live at boundary k": a variable, or 1.0 where it is so anyway (an
+            input or the output of t_k, a value of 0 bytes)."""
+            if size[i] == 0 or i == marks[k] or i in inputs[k]:
+                return 1.0
+            var = keep.get((i, k))
+            if var is None:
+                var = keep[(i, k)] = lp.NumVar(0.0, 1.0, "")
+                todo.append(("keep", i, k))
+            return var
+
+        def again(i: int, k: int):
+            if not can_redo[i] or size[i] == 0:
+                return None
+            var = redo.get((i, k))
+            if var is None:
+                var = redo[(i, k)] = lp.NumVar(0.0, 1.0, "")
+                todo.append(("redo", i, k))
+            return var
+
+        def at_least(terms, rhs: float) -> None:
+            """sum(terms) >= rhs; a term is a constant, None (nothing), a variable or a
+            (variable, coefficient) pair."""
+            const = sum(x for x in terms if isinstance(x, float))
+            if const >= rhs and not any(isinstance(x, tuple) and x[1] < 0 for x in terms):
+                return  # holds whatever the variables are
+            c = lp.Constraint(rhs - const, lp.infinity())
+            for x in terms:
+                if isinstance(x, tuple):
+                    c.SetCoefficient(*x)
+                elif x is not None and not isinstance(x, float):
+                    c.SetCoefficient(x, 1.0)
+
+        for k, t in enumerate(marks):
+            deadline.check("building the stage LP")
+            for i in range(t):
+                if size[i] == 0 or i in inputs[k] or last_read[i] <= t:
+                    continue
+                # needed after t_k: live now, or computed again before its next read
+                r = next((w for w in readers[i] if w > t), n)
+                terms = [live(i, k)]
+                for k2 in range(k, interval(r) + 1 if r < n else m):
+                    terms.append(again(i, k2))
+                at_least(terms, 1.0)
+        while todo:
+            deadline.check("building the stage LP")
+            what, i, k = todo.pop()
+            if what == "keep":
+                # live at t_k: live at t_{k-1} or computed in between (unless first computed then)
+                if k == 0 or i >= marks[k - 1]:
+                    continue
+                at_least([live(i, k - 1), again(i, k - 1), (keep[(i, k)], -1.0)], 0.0)
+            else:
+                # computed again in interval k: each input live at t_k or computed again in
+                # interval k too (an input first computed after t_k needs nothing)
+                q = redo[(i, k)]
+                for j in preds[i]:
+                    if j >= marks[k]:
+                        continue
+                    at_least([live(j, k), again(j, k), (q, -1.0)], 0.0)
+        for k, t in enumerate(marks):
+            need = size[t] + int(nodes[ops[t]].get("workspace", 0)) + sum(size[i] for i in inputs[k])
+            if need > room:
+                return math.inf
+            memory = lp.Constraint(-lp.infinity(), (room - need) * scale)
+            for (i, k2), var in keep.items():
+                if k2 == k:
+                    memory.SetCoefficient(var, size[i] * scale)
+        # objective: the time of what is computed again
+        objective = lp.Objective()
+        first_in = {g: {interval(i) for i in members if i > marks[0]} for g, (members, _) in groups.items()}
+        run: dict = {}
+        for (i, k), q in redo.items():
+            g = group_of.get(i)
+            if g is None:
+                objective.SetCoefficient(q, cost[i])
+                continue
+            if k in first_in[g]:
+                continue  # a run of the op happens in this interval anyway
+            r = run.get((g, k))
+            if r is None:
+                r = run[(g, k)] = lp.NumVar(0.0, 1.0, "")
+                objective.SetCoefficient(r, groups[g][1])
+            c = lp.Constraint(0.0, lp.infinity())
+            c.SetCoefficient(r, 1.0)
+            c.SetCoefficient(q, -1.0)
+        objective.SetMinimization()
+        deadline.check("building the stage LP")
+        left = deadline.left()
+        if math.isfinite(left):
+            lp.SetTimeLimit(max(1, int(1000 * left)))
+        status = solve_quietly(lp)
+    except OutOfTime:
+        return None
+    if status == lp.INFEASIBLE:
+        return math.inf
+    if status != lp.OPTIMAL:
+        return None
+    if kept is not None:
+        kept.update({ops[i]: var.solution_value() for (i, k), var in keep.items() if k == 0})
+    shortfall = sum(min(0.0, gt - sum(cost[i] for i in members)) for members, gt in groups.values())
+    extra = max(0.0, objective.Value() * (1 - 1e-6) - 1e-12 * base) + shortfall
+    return max(base, base + extra)
+
+
+#: Single-boundary LPs that :func:`fixed_order_bound` tries by default.
+TRIES = 8
+
+
+def worst_step(graph: ComputeGraph, budget_bytes: int):
+    """The op whose first computation is most over ``budget_bytes`` when the reference
+    order runs store-all (projections of multi-output ops excluded), or None when every
+    step fits."""
+    ops, index, size, last_read = _reference(graph)
+    excess = _excess(graph, ops, index, size, last_read, int(budget_bytes) - graph.fixed_bytes)
+    over = [t for t in range(len(ops)) if excess[t] > 0 and graph[ops[t]].get("group") is None]
+    return ops[max(over, key=lambda t: (excess[t], -t))] if over else None
+
+
+def fixed_order_bound(graph: ComputeGraph, budget_bytes: int, *, tries: int = TRIES,
+                      time_limit: float | None = None) -> float:
+    """The best fixed-order lower bound found in the time: the largest of
+    :func:`forced_recompute_bound` and :func:`stage_lp_bound` at single boundaries -- the
+    ``tries`` steps of the reference order most over the budget, each after the other
+    while time is left (each bound holds alone, so the largest holds).
+
+    Parameters
+    ----------
+    graph : ComputeGraph
+    budget_bytes : int
+        Peak bytes allowed, fixed bytes included.
+    tries : int
+        How many boundaries to try at most.
+    time_limit : float, optional
+        Seconds in all; an LP that does not finish in them counts for nothing.
+
+    Returns
+    -------
+    float
+        At least the store-all cost; ``math.inf`` when no fixed-order schedule fits.
+
+    Examples
+    --------
+    >>> g = ComputeGraph()
+    >>> for v, nb, t in zip("xyzuw", [1, 3, 2, 1, 1], [10, 1, 1, 1, 1]): g.add_node(v, bytes=nb, time=float(t))
+    >>> for e in ["xy", "yz", "zu", "uw", "yw"]: g.add_edge(*e)
+    >>> round(forced_recompute_bound(g, 5), 3), round(fixed_order_bound(g, 5), 3)
+    (14.333, 14.5)
+    """
+    from solver.deadline import Deadline
+
+    deadline = Deadline(time_limit)
+    best = forced_recompute_bound(graph, budget_bytes)
+    if not math.isfinite(best) or tries <= 0:
+        return best
+    ops, index, size, last_read = _reference(graph)
+    nodes = graph.nx.nodes
+    excess = _excess(graph, ops, index, size, last_read, int(budget_bytes) - graph.fixed_bytes)
+    over = [t for t in range(len(ops)) if excess[t] > 0 and nodes[ops[t]].get("group") is None]
+    over.sort(key=lambda t: (-excess[t], t))
+    for t in over[:tries]:
+        if deadline.expired():
+            break
+        lb = stage_lp_bound(graph, budget_bytes, boundaries=[ops[t]],
+                            time_limit=None if time_limit is None else max(0.0, deadline.left()))
+        if lb is not None and lb > best:
+            best = lb
+            if math.isinf(best):
+                break
+    return best

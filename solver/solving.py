@@ -10,8 +10,8 @@ from __future__ import annotations
 import time
 
 from graphs import ComputeGraph
-from solver.errors import NoScheduleFound
-from solver.grading import check_budget, grade, infeasible
+from solver.errors import BudgetNotReached, InfeasibleBudget, NoScheduleFound
+from solver.grading import check_budget, grade
 from solver.registry import MethodInfo, registered
 from solver.schedule import Schedule
 
@@ -64,7 +64,9 @@ def solve(
         A name from :func:`methods`; ``"auto"`` picks by graph shape and size and
         records its choice in ``schedule.info["auto"]``.
     time_limit : float, optional
-        Seconds; exact methods stop there with the best schedule and its gap.
+        Seconds for everything, the method and the figures of a failure included (to
+        within 10 % or a second); exact methods stop there with the best schedule and
+        its gap.
     **options
         Passed to the method (e.g. ``bandwidth`` for offload, ``k`` for every-k).
 
@@ -79,8 +81,12 @@ def solve(
         A zero, negative or NaN budget.
     InfeasibleBudget
         No schedule fits; the exception carries the smallest feasible peak.
+    BudgetNotReached
+        The method found nothing within the budget, which lies between the proven lower
+        bound and the smallest peak found (the least of what the method and
+        :func:`~solver.methods.minpeak.smallest_feasible_peak` reached).
     NoScheduleFound
-        The method found nothing within the budget although one may exist.
+        The method found nothing and the time limit left no time to find the figures.
 
     Examples
     --------
@@ -96,12 +102,37 @@ def solve(
         info = get_method(method)
         schedule = info.fn(graph, budget, time_limit=time_limit, **options)
         schedule.method = schedule.method or method
-    except NoScheduleFound:
-        # below the smallest peak any schedule is known to reach, say so with that figure
-        from solver.methods.minpeak import smallest_feasible_peak
-
-        if budget < smallest_feasible_peak(graph)[0]:
-            raise infeasible(graph, budget) from None
-        raise
+    except NoScheduleFound as exc:
+        left = None if time_limit is None else t0 + float(time_limit) - time.perf_counter()
+        raise _not_reached(graph, budget, exc, left) from None
     elapsed = time.perf_counter() - t0
     return grade(graph, schedule, budget, solve_seconds=elapsed)
+
+
+#: Seconds the figures of a failure may take at most (the search stops early with the best).
+FIGURES_SECONDS = 0.8
+#: Below this many seconds left, a failure is raised without looking for figures.
+FIGURES_MIN_SECONDS = 0.05
+
+
+def _not_reached(graph: ComputeGraph, budget: int, exc: NoScheduleFound, left: float | None) -> NoScheduleFound:
+    """The error for a method that found nothing: an :class:`InfeasibleBudget` (below the
+    proven bound) or :class:`BudgetNotReached` naming the least peak that a schedule is
+    known to reach -- the method's own ``best_peak`` or the low-memory search's, whichever
+    is less -- searched for in the time that is ``left`` (seconds; None: no limit)."""
+    if isinstance(exc, InfeasibleBudget):
+        return exc
+    if left is not None and left < FIGURES_MIN_SECONDS:
+        return exc
+    from solver.methods.minpeak import smallest_feasible_peak
+
+    seconds = FIGURES_SECONDS if left is None else min(FIGURES_SECONDS, left)
+    found, lb, culprit = smallest_feasible_peak(graph, time_limit=seconds)
+    if exc.best_peak is not None and lb <= exc.best_peak < found:
+        found = int(exc.best_peak)
+    if budget >= found:
+        return exc  # a schedule within the budget exists: the method's own failure
+    name = (graph[culprit].get("name") or graph[culprit].get("op")) if culprit is not None else None
+    cls = InfeasibleBudget if budget < lb else BudgetNotReached
+    return cls(budget, found, lower_bound_bytes=lb, culprit=culprit,
+               culprit_name=f"{culprit!r} ({name})" if name else None)

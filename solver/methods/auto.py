@@ -4,7 +4,8 @@ The recipe, cheapest first:
 
 1. store-all, when the reference order fits (no extra compute: optimal);
 2. ``eviction`` on the reference order (fast, near-optimal on training graphs);
-3. ``chain_dp`` on training graphs (optimal for chains of stages);
+3. ``chain_dp`` on training graphs (optimal for chains of stages), then ``lp_eviction``
+   (eviction guided by the stage LP's plan, with its unneeded recomputations removed);
 4. ``order_search`` (free order) where order freedom matters: forward-only graphs, or
    training graphs whose greedy low-memory order lowers the reference peak; then the
    low-memory recipe of :func:`~solver.methods.minpeak.min_peak_sequence`, which
@@ -14,6 +15,9 @@ The recipe, cheapest first:
    while the proven gap is above ``gap_tolerance``;
 6. on the winner, :func:`drop_recomputations`: the heuristics plan with a conservative
    memory model, and the recomputations the simulator shows the budget does not need go.
+7. the gap: when every candidate kept the reference order, the fixed-order lower bound
+   of :func:`solver.bounds.fixed_order_bound` (forced recomputation, then an LP at each
+   of the steps most over the budget), then, on small graphs, the MILP's bound.
 
 Every candidate is graded by :func:`solver.simulate`; the cheapest valid one within the
 budget wins (fewest steps on ties). ``schedule.info["auto"]`` records what was tried,
@@ -33,7 +37,8 @@ from solver.schedule import Schedule
 from solver.simulate import simulate
 
 __all__ = ["solve_auto", "drop_recomputations", "EXACT_MAX_OPS", "CHAIN_DP_MAX_OPS", "ORDER_GAIN", "BOUND_MAX_OPS",
-           "BOUND_LIMITED_MAX_OPS", "SMALL_OPS", "GAP_TOLERANCE"]
+           "BOUND_LIMITED_MAX_OPS", "SMALL_OPS", "GAP_TOLERANCE", "LP_BOUND_SECONDS",
+           "LP_EVICTION_SECONDS"]
 
 log = logging.getLogger(__name__)
 
@@ -52,6 +57,10 @@ BOUND_MAX_OPS = 100
 BOUND_LIMITED_MAX_OPS = 400
 #: Default ``gap_tolerance``: auto stops proving once the gap on the extra compute is below.
 GAP_TOLERANCE = 0.01
+#: Without a time limit, seconds at most for ``lp_eviction``.
+LP_EVICTION_SECONDS = 3.0
+#: Without a time limit, seconds at most for the LP bounds at single boundaries.
+LP_BOUND_SECONDS = 2.0
 #: Seconds below which a step that would start is skipped (it could not finish in time).
 MIN_SLICE = 0.3
 
@@ -189,6 +198,10 @@ def solve_auto(graph: ComputeGraph, budget: int, *, time_limit: float | None = N
         if training and extra() and n <= CHAIN_DP_MAX_OPS:
             run("chain_dp", "the graph is a chain of stages: the DP is optimal for chains",
                 time_limit=max(0.1, min(0.5, 0.1 * limit)))
+        # 3b. eviction guided by the stage LP's plan at the step most over the budget
+        if training and extra():
+            run("lp_eviction", "eviction guided by the stage LP's relaxed plan",
+                time_limit=max(0.3, min(LP_EVICTION_SECONDS, 0.5 * left()) if unlimited else 0.6 * left()))
         # 4. order search where order freedom matters: forward-only graphs, or when a
         #    low-memory order beats the reference peak
         if extra():
@@ -255,10 +268,12 @@ def solve_auto(graph: ComputeGraph, budget: int, *, time_limit: float | None = N
             sched.info["fixed_order_lower_bound"] = float(sched.lower_bound)
     close = bound is not None and key[0] - bound <= tolerance * (key[0] - base) + 1e-9
     if use_bound and not close and "fixed_order_lower_bound" not in sched.info:
-        # the solver-free fixed-order bound first: milliseconds on thousands of ops
-        from solver.bounds import forced_recompute_bound
+        # the fixed-order bounds first: the forced recomputation (milliseconds on
+        # thousands of ops), then small LPs at the steps most over the budget
+        from solver.bounds import fixed_order_bound
 
-        lb = min(forced_recompute_bound(graph, budget), key[0])
+        lp_time = min(LP_BOUND_SECONDS, max(0.3, 0.25 * elapsed)) if unlimited else max(0.0, 0.5 * left())
+        lb = min(fixed_order_bound(graph, budget, time_limit=lp_time), key[0])
         if fixed_scope:
             bound = lb if bound is None else max(bound, lb)
             close = key[0] - bound <= tolerance * (key[0] - base) + 1e-9

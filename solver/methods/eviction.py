@@ -58,8 +58,9 @@ class _Evictor:
     """One run of the eviction engine (see :func:`evict_sequence`)."""
 
     def __init__(self, ix: IndexedGraph, order: Sequence[int], cap: int, score: str, max_steps: int,
-                 deadline: float | None = None):
+                 deadline: float | None = None, priority: Sequence[float] | None = None):
         self.deadline = deadline
+        self.priority = priority
         self.ix = ix
         self.order = list(order)
         self.cap = cap
@@ -218,6 +219,8 @@ class _Evictor:
                 s = 1.0 / (self.clock - self.last[u] + 1)
             else:
                 raise ValueError(f"unknown eviction score {sc!r}; choose one of {', '.join(SCORES)}")
+            if self.priority is not None:
+                s *= self.priority[u]
             if best < 0 or s < best_s:
                 best, best_s = u, s
         return best
@@ -316,6 +319,7 @@ def evict_sequence(
     score: str = "dtr",
     max_steps: int | None = None,
     deadline: float | None = None,
+    priority: Sequence[float] | None = None,
 ) -> list[int] | None:
     """Run ``order`` under ``budget_bytes``, evicting and recomputing on demand.
 
@@ -336,6 +340,8 @@ def evict_sequence(
         Give up when the sequence grows past this (default ``10 n``).
     deadline : float, optional
         Give up at this :func:`time.perf_counter` value.
+    priority : sequence of float, optional
+        A positive factor per index on its score: values with a small one go first.
 
     Returns
     -------
@@ -359,7 +365,7 @@ def evict_sequence(
     if max_steps is None:
         max_steps = 10 * max(1, ix.n)
     cap = int(budget_bytes) - ix.fixed
-    return _Evictor(ix, order, cap, score, max_steps, deadline).run()
+    return _Evictor(ix, order, cap, score, max_steps, deadline, priority).run()
 
 
 def _seq_cost(ix: IndexedGraph, seq: Sequence[int]) -> float:

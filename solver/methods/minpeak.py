@@ -17,20 +17,24 @@ from typing import Hashable
 from graphs import ComputeGraph
 from solver.feasibility import peak_lower_bound
 from solver.indexed import IndexedGraph, order_peak
-from solver.methods.eviction import beam_order, evict_sequence, min_memory_order
+from solver.methods.eviction import SCORES, beam_order, evict_sequence, min_memory_order
 
 __all__ = ["smallest_feasible_peak", "min_peak_sequence"]
 
 log = logging.getLogger(__name__)
 
 _SCORES = ("dtr", "belady")
+#: Tried on the reference order after :data:`_SCORES` failed on every order: what
+#: ``method="eviction"`` tries, so that a peak eviction reaches is one this search finds.
+_REF_SCORES = tuple(s for s in SCORES if s not in _SCORES)
 
 
-def low_memory_orders(ix: IndexedGraph) -> list[list[int]]:
+def low_memory_orders(ix: IndexedGraph, *, deadline: float | None = None) -> list[list[int]]:
     """The reference order and deterministic low-memory orders (greedy, and a narrow beam
-    search on graphs of at most 600 ops), lowest store-all peak first."""
+    search on graphs of at most 600 ops while ``deadline`` is not past), lowest store-all
+    peak first."""
     cands = [list(range(ix.n)), min_memory_order(ix, tie="ref"), min_memory_order(ix, tie="depth")]
-    if ix.n <= 600:
+    if ix.n <= 600 and (deadline is None or _time.perf_counter() < deadline):
         cands.append(beam_order(ix, width=max(4, 3000 // max(1, ix.n))))
     out: list[list[int]] = []
     for o in cands:
@@ -62,11 +66,13 @@ def min_peak_sequence(
     for o in orders:
         if order_peak(ix, o) <= cap:
             return list(o)
-    for o in orders:
-        for sc in _SCORES:
-            seq = evict_sequence(ix, o, budget_bytes, score=sc, deadline=deadline)
-            if seq is not None:
-                return seq
+    tries = [(o, sc) for o in orders for sc in _SCORES] + [(list(range(ix.n)), sc) for sc in _REF_SCORES]
+    for o, sc in tries:
+        if deadline is not None and _time.perf_counter() >= deadline:
+            break
+        seq = evict_sequence(ix, o, budget_bytes, score=sc, deadline=deadline)
+        if seq is not None:
+            return seq
     return None
 
 
@@ -77,7 +83,8 @@ def smallest_feasible_peak(graph: ComputeGraph, *, time_limit: float = 0.8) -> t
     ----------
     graph : ComputeGraph
     time_limit : float
-        Seconds for the bisection (it stops early with the best budget reached so far).
+        Seconds in all (the search stops early with the best budget reached so far; the
+        store-all peak of the orders is always reached).
 
     Returns
     -------
@@ -107,7 +114,7 @@ def smallest_feasible_peak(graph: ComputeGraph, *, time_limit: float = 0.8) -> t
     ix = IndexedGraph.of(graph)
     if ix.n == 0:
         return lb, lb, culprit
-    orders = low_memory_orders(ix)
+    orders = low_memory_orders(ix, deadline=deadline)
     hi = min(order_peak(ix, o) for o in orders) + ix.fixed
     hi = max(hi, lb)
     if hi == lb or min_peak_sequence(ix, lb, deadline=deadline, orders=orders) is not None:

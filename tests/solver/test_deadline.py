@@ -81,3 +81,32 @@ def test_auto_keeps_its_time_limit(n_forward):
     assert elapsed <= LIMIT + SLACK, f"auto took {elapsed:.2f} s for a limit of {LIMIT} s"
     if not isinstance(out, NoScheduleFound):
         assert simulate(g, out).peak_bytes <= budget
+
+
+@pytest.mark.parametrize("method", EXACT)
+def test_solve_keeps_the_time_limit_when_the_method_finds_nothing(method):
+    # the figures of the failure (smallest peak found) come out of the same time limit
+    from solver.solving import solve
+
+    g, budget = _graph(150, fraction=0.5)
+    out, elapsed = _timed(solve, g, budget, method=method, time_limit=LIMIT)
+    assert elapsed <= LIMIT + SLACK, f"solve({method!r}) took {elapsed:.2f} s for a limit of {LIMIT} s"
+    if not isinstance(out, NoScheduleFound):
+        assert simulate(g, out).peak_bytes <= budget
+
+
+def test_budget_not_reached_names_a_peak_that_is_reached():
+    from solver.errors import BudgetNotReached
+    from solver.solving import solve
+
+    g, _ = _graph(55)
+    top = simulate(g, g.order).peak_bytes
+    with pytest.raises(BudgetNotReached) as info:
+        solve(g, int(0.6 * top), method="eviction", time_limit=LIMIT)
+    exc = info.value
+    assert exc.lower_bound_bytes <= exc.budget_bytes < exc.smallest_feasible_bytes < top
+    assert str(exc.smallest_feasible_bytes) in str(exc)
+    # what the message names as reached is reached, by auto and by eviction alike
+    for method in ("auto", "eviction"):
+        s = solve(g, exc.smallest_feasible_bytes, method=method, time_limit=LIMIT)
+        assert s.peak_bytes <= exc.smallest_feasible_bytes
