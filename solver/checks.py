@@ -14,6 +14,7 @@ from typing import Any, Callable
 import torch
 from torch import nn
 
+from graphs import RematError
 from graphs.capture import default_loss
 from graphs.memory import AllocatorPeak, judge_available
 from graphs.units import format_bytes
@@ -102,7 +103,11 @@ def fit_measured(model: nn.Module, *, make: Callable[[int], Any], run: Callable[
     ``run(plan)`` is one step of a plan. ``held_back``: the margin to start from (what a
     real step measured beyond an earlier plan).
     """
-    out, margin = make(held_back), held_back
+    try:
+        out, margin = make(held_back), held_back
+    except InfeasibleBudget as exc:
+        raise _measured_smallest(model, exc, make=make, run=run, args=args, kwargs=kwargs, budget=budget,
+                                 session=session, loss_fn=loss_fn) from exc
     for attempt in range(tries):
         report = session.report
         extra = untracked_bytes(report.graph)
@@ -128,6 +133,24 @@ def fit_measured(model: nn.Module, *, make: Callable[[int], Any], run: Callable[
     raise SolverError(f"a step of the plan measured {format_bytes(peak)} over the budget {format_bytes(budget)} "
                       f"after {tries} plans with a margin for what the step allocates beyond the captured graph; "
                       "ask for a larger budget")
+
+
+def _measured_smallest(model: nn.Module, exc: InfeasibleBudget, *, make: Callable[[int], Any],
+                       run: Callable[[Any], Callable[[], Any]], args: tuple, kwargs: dict, budget: int,
+                       session: Session, loss_fn: Callable[[Any], Any] | None) -> InfeasibleBudget:
+    """The error to raise for a budget below the smallest plan: the smallest plan's
+    measured peak when a step of it measures more than its prediction (asking for the
+    figure named must succeed)."""
+    smallest = exc.smallest_feasible_bytes
+    try:
+        plan = make(budget - smallest)  # a negative margin: the plan for the smallest peak
+    except RematError:
+        return exc
+    measured = measured_peak(model, run(plan), args, kwargs, loss_fn=loss_fn)
+    if measured is None or measured + untracked_bytes(session.report.graph) <= smallest:
+        return exc
+    return InfeasibleBudget(budget, measured + untracked_bytes(session.report.graph),
+                            lower_bound_bytes=exc.lower_bound_bytes, what="measured peak")
 
 
 def reproduces(model: nn.Module, step: Callable, args: tuple, kwargs: dict, *,

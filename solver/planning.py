@@ -27,7 +27,7 @@ from graphs.planned import ModuleStep
 from graphs.rewrite import replay_random_ops
 from graphs.units import format_bytes
 from solver.checks import Session, fit_measured, measured_peak, self_check
-from solver.errors import SolverError
+from solver.errors import InfeasibleBudget, SolverError
 from solver.fixed import SEED_RESERVE, untracked_bytes
 from solver.module_plan import plan_modules
 from solver.grading import check_budget
@@ -389,7 +389,10 @@ def plan_module(model: nn.Module, *, cap: Captured, request: Request, session: S
         sched, cg, predicted = mp.schedule, mp.graph, rp.peak_bytes
         store_all = dp.rank_store_all(cg, names=names, optimizer_bytes=request.optimizer_bytes)
     else:
-        check_budget(cap.graph, budget - margin)
+        try:
+            check_budget(cap.graph, budget - margin)
+        except InfeasibleBudget:
+            pass  # the graph's smallest peak is not a layer plan's: plan_modules names that one
         mp = plan_modules(cap.graph, budget - margin, blocks=names, time_limit=request.time_limit)
         sched = mp.schedule
         cg = mp.graph  # random ops inside the blocks are recomputed there (RNG state restored)

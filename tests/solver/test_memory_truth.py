@@ -154,3 +154,18 @@ def test_verify_judges_by_the_allocator():
     # the tracker of live tensors misses the convolutions' buffers; the allocator does not
     assert report.fits and report.measured_peak_bytes >= _plain_peak(model, args, loss_fn) * 0.5
     assert abs(report.measured_peak_bytes - report.predicted_peak_bytes) <= 0.03 * report.measured_peak_bytes
+
+
+@pytest.mark.parametrize("mode", ["graph", "module"])
+@pytest.mark.parametrize("name", sorted(ZOO))
+def test_the_smallest_feasible_budget_an_error_names_is_one_that_works(name, mode):
+    model, args, loss_fn = ZOO[name]()
+    budget = 0.3 * _plain_peak(model, args, loss_fn)
+    try:
+        fast = solver.optimize(model, budget / GiB, args, mode=mode, measure_time=False, loss_fn=loss_fn)
+    except solver.InfeasibleBudget as exc:
+        assert exc.lower_bound_bytes <= exc.smallest_feasible_bytes
+        budget = exc.smallest_feasible_bytes
+        fast = solver.optimize(model, budget / GiB, args, mode=mode, measure_time=False, loss_fn=loss_fn)
+    (report,) = _train(fast, args, loss_fn, 1)
+    assert report.step_peak_bytes <= budget, (report.step_peak_bytes, budget)
