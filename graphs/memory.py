@@ -34,6 +34,7 @@ True
 
 from __future__ import annotations
 
+import atexit
 import logging
 import weakref
 from typing import Any, Callable, Iterable
@@ -188,6 +189,9 @@ def settle_open_judges() -> None:
     while _CLOSE_LATER:
         _, close = _CLOSE_LATER.popitem()
         close()
+
+
+atexit.register(settle_open_judges)  # a profiler left running would be torn down mid-session
 
 
 def judge_available(*roots: Any, device: str | torch.device | None = None) -> bool:

@@ -233,30 +233,37 @@ def _install(wrapper: nn.Module, model: nn.Module, planner: Planner,
         model.training = mode
         return wrapper
 
-    def deepcopy(memo: dict) -> nn.Module:
-        model_copy = copy.deepcopy(model, memo)
-        new = object.__new__(type(wrapper))
-        memo[id(wrapper)] = new
-        state = {k: v for k, v in wrapper.__dict__.items() if k not in PLAN_STATE and not k.startswith("_remat")}
-        new.__dict__.update(copy.deepcopy(state, memo))
-        for m in list(model_copy.modules()) + list(new.modules()):
-            _drop_plan_wrapper(m)
-        new_planner = planner if copy_planner is None else copy_planner(new)
-        _install(new, model_copy, new_planner, copy_planner)
-        return new
-
-    def reduce_ex(protocol: int) -> Any:  # copy.copy reduces too: it gets a shallow copy
-        refusal = _Refused(f"a module returned by solver.optimize is not pickled (its plans hold captured "
-                           f"graphs and closures): save its state_dict(), whose keys are those of "
-                           f"{type(model).__name__}, or the original model, and optimize it again after loading")
-        return _rebuild, (refusal, type(wrapper)), dict(wrapper.__dict__)
-
     wrapper.forward = forward
     wrapper.train = train
-    wrapper.__deepcopy__ = deepcopy
-    wrapper.__reduce_ex__ = reduce_ex
+    wrapper.__deepcopy__ = functools.partial(_deep_copy, wrapper, model, planner, copy_planner)
+    wrapper.__reduce_ex__ = functools.partial(_reduce, wrapper, model)
     wrapper.remat_steps = steps
     wrapper.remat_plan_now = plan_now
+
+
+def _deep_copy(wrapper: nn.Module, model: nn.Module, planner: Planner,
+               copy_planner: Callable[[nn.Module], Planner] | None, memo: dict) -> nn.Module:
+    """``copy.deepcopy`` of a planned module: a copy of ``model`` and of the wrapper's
+    own state, without plans, planned again on its first training call."""
+    model_copy = copy.deepcopy(model, memo)
+    new = object.__new__(type(wrapper))
+    memo[id(wrapper)] = new
+    state = {k: v for k, v in wrapper.__dict__.items() if k not in PLAN_STATE and not k.startswith("_remat")}
+    new.__dict__.update(copy.deepcopy(state, memo))
+    for m in list(model_copy.modules()) + list(new.modules()):
+        _drop_plan_wrapper(m)
+    new_planner = planner if copy_planner is None else copy_planner(new)
+    _install(new, model_copy, new_planner, copy_planner)
+    return new
+
+
+def _reduce(wrapper: nn.Module, model: nn.Module, protocol: int) -> Any:
+    """Pickling a planned module is refused when the pickle is written; ``copy.copy``,
+    which reduces too, gets a shallow copy."""
+    refusal = _Refused(f"a module returned by solver.optimize is not pickled (its plans hold captured "
+                       f"graphs and closures): save its state_dict(), whose keys are those of "
+                       f"{type(model).__name__}, or the original model, and optimize it again after loading")
+    return _rebuild, (refusal, type(wrapper)), dict(wrapper.__dict__)
 
 
 class _Refused:
