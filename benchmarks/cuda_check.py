@@ -159,7 +159,7 @@ def run_case(name: str, make, frac: float, mode: str, device: str) -> dict:
     torch.cuda.synchronize()
     torch.cuda.reset_peak_memory_stats()
     try:
-        fast = solver.optimize(model, budget / GiB, inputs, mode=mode)
+        fast = solver.optimize(model, budget / GiB, inputs, mode=mode, loss_fn=loss_of)
     except solver.InfeasibleBudget as exc:
         return {**row, "status": "infeasible", "smallest_feasible_bytes": exc.smallest_feasible_bytes}
     except Exception as exc:  # a failure is a finding: record it and go on
