@@ -144,7 +144,8 @@ def test_inductor_segments_stay_under_the_plain_codes_peak():
     # now sees in full (inductor's buffers go through the dispatcher)
     model, inputs = models.resnet(batch=4, width=16, size=32, blocks=2)
     cg = _graph(model, inputs)
-    budget = int(0.6 * simulate(cg, cg.order).peak_bytes)
+    # 0.65: with the convolutions' measured workspaces, 0.6 of store-all has no schedule
+    budget = int(0.65 * simulate(cg, cg.order).peak_bytes)
     sched = solver.solve(cg, budget, method="eviction")
     eager = ScheduledStep(cg, sched.sequence)
     step = ScheduledStep(cg, sched.sequence, compiler="inductor", headroom=0)
