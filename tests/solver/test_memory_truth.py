@@ -169,3 +169,31 @@ def test_the_smallest_feasible_budget_an_error_names_is_one_that_works(name, mod
         fast = solver.optimize(model, budget / GiB, args, mode=mode, measure_time=False, loss_fn=loss_fn)
     (report,) = _train(fast, args, loss_fn, 1)
     assert report.step_peak_bytes <= budget, (report.step_peak_bytes, budget)
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("name,mode,frac", [("hf_gpt2", "graph", 0.7), ("hf_gpt2", "graph", 0.5),
+                                            ("hf_gpt2", "module", 0.7), ("hf_llama", "graph", 0.7),
+                                            ("hf_llama", "graph", 0.5), ("hf_llama", "module", 0.7)])
+def test_hf_models_with_labels_fit_from_the_first_step(name, mode, frac):
+    model, batch = models.ZOO[name](n_layer=2, d=64, seq=64, batch=4)
+    for p in model.parameters():
+        p.grad = None
+    with AllocatorPeak(model, batch) as judge:
+        out = model(**batch)
+        out.loss.backward()
+        del out
+    for p in model.parameters():
+        p.grad = None
+    budget = frac * judge.peak_bytes
+    fast = solver.optimize(model, budget / GiB, batch, mode=mode, measure_time=False)  # the loss is the model's
+    opt = torch.optim.SGD(fast.parameters(), lr=1e-3)
+    out = fast(**batch)
+    out.loss.backward()
+    del out
+    opt.step()
+    report = fast.report
+    assert report.step_peak_bytes <= budget, (report.step_peak_bytes, budget)
+    # module mode on HF Llama predicts 5.5 % low (the known gap of its module-mode estimate)
+    tolerance = 0.06 if (name, mode) == ("hf_llama", "module") else 0.03
+    assert abs(report.predicted_peak_bytes - report.step_peak_bytes) <= tolerance * report.step_peak_bytes
