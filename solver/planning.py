@@ -27,7 +27,7 @@ from graphs.planned import ModuleStep
 from graphs.rewrite import replay_random_ops
 from graphs.units import format_bytes
 from solver.checks import Session, fit_measured, measured_peak, self_check
-from solver.errors import InfeasibleBudget, SolverError
+from solver.errors import SolverError
 from solver.fixed import SEED_RESERVE, untracked_bytes
 from solver.module_plan import plan_modules
 from solver.grading import check_budget
@@ -183,8 +183,13 @@ def loss_note(report: Report, cg: ComputeGraph, *, loss_fn: Callable[[Any], Any]
 
 def returns_a_loss(cg: ComputeGraph) -> bool:
     """Whether one of the model's outputs is a scalar (a loss the step backpropagates)."""
+    return bool(loss_tangents(cg)[0])
+
+
+def loss_tangents(cg: ComputeGraph) -> tuple[list, list]:
+    """The tangents of the scalar outputs (losses), and all tangents."""
     tangents = [v for v in cg.ops if cg[v]["op"] == "tangent"]
-    return any(cg[t].get("grad_of") in cg.nx and cg[cg[t]["grad_of"]]["bytes"] <= 8 for t in tangents)
+    return [t for t in tangents if cg[t].get("grad_of") in cg.nx and cg[cg[t]["grad_of"]]["bytes"] <= 8], tangents
 
 
 def backward_from_loss(cg: ComputeGraph) -> None:
@@ -192,8 +197,7 @@ def backward_from_loss(cg: ComputeGraph) -> None:
     ``loss``), training steps call ``loss.backward()``: the other outputs' gradients never
     arrive, so their tangents take no memory. The outputs themselves stay resident (a
     training loop usually holds the output object during backward)."""
-    tangents = [v for v in cg.ops if cg[v]["op"] == "tangent"]
-    scalar = [t for t in tangents if cg[t].get("grad_of") in cg.nx and cg[cg[t]["grad_of"]]["bytes"] <= 8]
+    scalar, tangents = loss_tangents(cg)
     if scalar and len(scalar) < len(tangents):
         for t in tangents:
             if t not in scalar:
@@ -389,10 +393,8 @@ def plan_module(model: nn.Module, *, cap: Captured, request: Request, session: S
         sched, cg, predicted = mp.schedule, mp.graph, rp.peak_bytes
         store_all = dp.rank_store_all(cg, names=names, optimizer_bytes=request.optimizer_bytes)
     else:
-        try:
-            check_budget(cap.graph, budget - margin)
-        except InfeasibleBudget:
-            pass  # the graph's smallest peak is not a layer plan's: plan_modules names that one
+        # no check_budget here: the graph's smallest peak is not a layer plan's, and
+        # plan_modules names the smallest layer plan when none fits
         mp = plan_modules(cap.graph, budget - margin, blocks=names, time_limit=request.time_limit)
         sched = mp.schedule
         cg = mp.graph  # random ops inside the blocks are recomputed there (RNG state restored)

@@ -13,7 +13,6 @@ from torch import nn
 
 from graphs.capture import default_loss
 from graphs.memory import AllocatorPeak
-from graphs.units import format_bytes
 from solver.checks import split_inputs, step_undone
 from solver.fixed import untracked_bytes
 from solver.report import Report
