@@ -33,7 +33,7 @@ import logging
 import operator
 import traceback
 from dataclasses import dataclass, field
-from typing import Any, Callable
+from typing import Any, Callable, Mapping
 
 import torch
 import torch.fx
@@ -372,6 +372,7 @@ def capture(
     inplace: str = "alias",
     hardware: str | Hardware | None = None,
     measure_time: bool | None = None,
+    measure_workspace: bool | None = None,
     repeats: int = 5,
     name: str | None = None,
 ) -> ComputeGraph:
@@ -404,10 +405,15 @@ def capture(
     measure_time : bool, optional
         Time every op on the real device (fastest of ``repeats`` after a warm-up run of
         the graph).
-        Default: when the inputs and parameters are real tensors. Op workspaces (what
-        an op allocates beyond its outputs) are measured whenever the tensors are real,
-        by one run of the graph under the allocator's judge, and estimated per op family
-        on fake or meta tensors (``cg.meta["workspace_source"]``).
+        Default: when the inputs and parameters are real tensors.
+    measure_workspace : bool, optional
+        Measure op workspaces (what an op allocates beyond its outputs) by one run of
+        the graph under the allocator's judge. Default: when the tensors are real;
+        otherwise, and with ``False``, they are estimated per op family
+        (``cg.meta["workspace_source"]``). Both measurements run the graph in its own
+        order, which holds everything the backward reads: the store-all peak.
+        :func:`graphs.measured.measure_in_schedule` measures both by running a schedule
+        instead.
     repeats : int
         Timed runs per op when measuring.
     name : str, optional
@@ -459,6 +465,11 @@ def capture(
     if measure_time and not real:
         raise CaptureError("measure_time=True needs real parameters and inputs; "
                            "the model or inputs are fake/meta (use measure_time=False for roofline times)")
+    if measure_workspace is None:
+        measure_workspace = real
+    if measure_workspace and not real:
+        raise CaptureError("measure_workspace=True needs real parameters and inputs; the model or inputs are "
+                           "fake/meta (use measure_workspace=False for estimated workspaces)")
 
     fake_mode = None
     work_model = model
@@ -513,15 +524,16 @@ def capture(
     placeholders = [n for n in gm.graph.nodes if n.op == "placeholder"]
     if not measure_time:
         costs.annotate_roofline_time(gm, hw)
-    if real:
-        values = _real_placeholder_values(placeholders, step, user_flat)
+    if measure_time or measure_workspace:
+        values = real_placeholder_values(placeholders, step, user_flat)
         cuda = sorted({t.device.index or 0 for t in tensors + state if t.device.type == "cuda"})
         # timing and measuring run the random ops too: the generators end as they were
         with no_autocast(), torch.random.fork_rng(devices=cuda):
             if measure_time:
                 costs.annotate_measured_time(gm, values, repeats=repeats)
-            costs.annotate_measured_workspace(gm, values)
-    else:
+            if measure_workspace:
+                costs.annotate_measured_workspace(gm, values)
+    if not measure_workspace:
         costs.annotate_estimated_workspace(gm)
 
     cg = _build(gm, storage, name=name or type(model).__name__, shared=_shared_sources(placeholders, step))
@@ -591,7 +603,9 @@ def _eager_semantics(tensors: list) -> dict:
     return {}
 
 
-def _real_placeholder_values(placeholders: list, step: torch.nn.Module, user_flat: list) -> list:
+def real_placeholder_values(placeholders: list, step: torch.nn.Module, user_flat: list) -> list:
+    """Real values for the joint graph's placeholders: the step's parameters (detached),
+    copies of its buffers, the user's inputs, and ones for the output gradients."""
     params = dict(step.named_parameters(remove_duplicate=False))
     buffers = dict(step.named_buffers())
     values = []
@@ -764,26 +778,72 @@ def _fold_multi_output_ops(cg: ComputeGraph, gm: torch.fx.GraphModule) -> None:
             continue
         parent = cg[node.name]
         projections = [u.name for u in node.users if u.name in cg.nx]
-        sizes = [cg[p]["bytes"] for p in projections]
-        total = sum(sizes)
         inputs = list(cg.nx.predecessors(node.name))
-        after = total
-        for i, (p, b) in enumerate(zip(projections, sizes)):
-            share = b / total if total else 1.0 / len(projections)
-            after -= b
+        for i, p in enumerate(projections):
             d = cg[p]
-            d["time"] = parent["time"] * share
-            d["flops"] = int(round(parent["flops"] * share))
-            d["workspace"] = int(parent["workspace"]) + total - b
             d["group"] = node.name
             d["group_index"] = i
-            d["group_time"] = float(parent["time"])
-            d["run_workspace"] = int(parent["workspace"]) + after
             d["recomputable"] = parent["recomputable"]
             d["op"] = parent["op"]
             for u in inputs:
                 cg.add_edge(u, p)
+        _share_costs(cg, projections, time=float(parent["time"]), flops=int(parent["flops"]),
+                     workspace=int(parent["workspace"]))
         cg.nx.remove_node(node.name)
+
+
+def _share_costs(cg: ComputeGraph, projections: list[str], *, time: float, flops: int | None,
+                 workspace: int) -> None:
+    """A multi-output op's time, FLOPs and workspace on its projections (see
+    :func:`_fold_multi_output_ops`); ``flops=None`` keeps theirs."""
+    sizes = [cg[p]["bytes"] for p in projections]
+    total = sum(sizes)
+    after = total
+    for p, b in zip(projections, sizes):
+        share = b / total if total else 1.0 / len(projections)
+        after -= b
+        d = cg[p]
+        d["time"] = time * share
+        if flops is not None:
+            d["flops"] = int(round(flops * share))
+        d["workspace"] = workspace + total - b
+        d["group_time"] = time
+        d["run_workspace"] = workspace + after
+
+
+def set_op_costs(cg: ComputeGraph, *, times: Mapping[str, float] | None = None,
+                 workspaces: Mapping[str, int] | None = None) -> None:
+    """Write measured times (seconds) and workspaces (bytes) of the joint graph's ops,
+    keyed by fx node name, onto the DAG ``cg`` captured from it: an op's own node, or
+    for a multi-output op its projections, shared as :func:`capture` shares them. An op
+    that a mapping does not name keeps its figure.
+
+    Examples
+    --------
+    >>> net = torch.nn.Sequential(torch.nn.Linear(4, 8), torch.nn.ReLU())
+    >>> cg = capture(net, (torch.randn(2, 4),), measure_time=False)
+    >>> op = "addmm"
+    >>> set_op_costs(cg, times={op: 0.25}, workspaces={op: 64})
+    >>> cg[op]["time"], cg[op]["workspace"]
+    (0.25, 64)
+    """
+    times, workspaces = times or {}, workspaces or {}
+    groups: dict[str, list[str]] = {}
+    for v in cg.ops:
+        if cg[v].get("group") is not None:
+            groups.setdefault(cg[v]["group"], []).append(v)
+    for name in set(times) | set(workspaces):
+        if name in groups:
+            members = sorted(groups[name], key=lambda p: cg[p]["group_index"])
+            first = cg[members[0]]
+            old_ws = first["run_workspace"] - sum(cg[p]["bytes"] for p in members[1:])
+            _share_costs(cg, members, time=float(times.get(name, first["group_time"])), flops=None,
+                         workspace=int(workspaces.get(name, old_ws)))
+        elif name in cg.nx and cg.is_op(name):
+            if name in times:
+                cg[name]["time"] = float(times[name])
+            if name in workspaces:
+                cg[name]["workspace"] = int(workspaces[name])
 
 
 class _CallableModule(__import__("types").ModuleType):

@@ -47,6 +47,15 @@ __all__ = [
     "annotate_measured_time",
     "annotate_measured_workspace",
     "annotate_estimated_workspace",
+    "measure_workspaces",
+    "op_signature",
+    "remember_workspaces",
+    "forget_measured_workspaces",
+    "time_ops",
+    "whole_graph",
+    "op_label",
+    "WorkspaceRun",
+    "StepRunner",
     "source_line",
 ]
 
@@ -237,15 +246,37 @@ def annotate_roofline_time(gm: torch.fx.GraphModule, hardware: Hardware) -> dict
     return out
 
 
+def op_label(n: torch.fx.Node) -> str | None:
+    """The joint-graph op that node ``n`` runs: its own name, or, in a graph cut from a
+    schedule (:func:`graphs.rewrite.partition_by_schedule`), the name of the node it is
+    a copy of; None for what is not an op (``getitem`` projections of a multi-output
+    op's result)."""
+    if n.op != "call_function" or n.target is operator.getitem:
+        return None
+    return n.meta.get("remat_source", n.name)
+
+
+#: runs a step's graph(s), each under an interpreter that ``make(graph)`` returns
+StepRunner = Callable[[Callable[[torch.fx.GraphModule], torch.fx.Interpreter]], None]
+
+
+def whole_graph(gm: torch.fx.GraphModule, args: list[Any]) -> StepRunner:
+    """The runner of ``gm`` on ``args`` in its own order (the store-all schedule)."""
+    def run(make: Callable[[torch.fx.GraphModule], torch.fx.Interpreter]) -> None:
+        make(gm).run(*args, enable_io_processing=False)
+    return run
+
+
 class _TimingInterpreter(torch.fx.Interpreter):
-    def __init__(self, gm: torch.fx.GraphModule, *, repeats: int, sync: Callable[[], None]):
+    def __init__(self, gm: torch.fx.GraphModule, *, repeats: int, sync: Callable[[], None], times: dict):
         super().__init__(gm)
         self.repeats = repeats
         self.sync = sync
-        self.times: dict[str, float] = {}
+        self.times = times
 
     def run_node(self, n: torch.fx.Node) -> Any:
-        if n.op != "call_function" or n.target is operator.getitem:
+        label = op_label(n)
+        if label is None:
             return super().run_node(n)
         samples = []
         result = None
@@ -256,8 +287,35 @@ class _TimingInterpreter(torch.fx.Interpreter):
             self.sync()
             if i:
                 samples.append(time.perf_counter() - t0)
-        self.times[n.name] = min(samples)
+        self.times[label] = min(samples + [self.times.get(label, float("inf"))])
         return result
+
+
+def _sync_of(devices: set[str]) -> Callable[[], None]:
+    if "cuda" in devices:
+        return torch.cuda.synchronize
+
+    def sync() -> None:
+        return None
+    return sync
+
+
+def time_ops(runner: StepRunner, *, devices: set[str], repeats: int = 5, warm: bool = True) -> dict[str, float]:
+    """Time every op that ``runner`` runs: the fastest of ``repeats`` runs after one
+    warm-up run (an op run more than once by a schedule: the fastest of all its runs),
+    keyed by :func:`op_label`. With ``warm``, the whole step runs once untimed first
+    (see :func:`annotate_measured_time`). Runs without autograd; the generator state is
+    the caller's to restore."""
+    times: dict[str, float] = {}
+    sync = _sync_of(devices)
+    with torch.no_grad():
+        try:
+            if warm:
+                runner(torch.fx.Interpreter)
+            runner(lambda g: _TimingInterpreter(g, repeats=max(1, repeats), sync=sync, times=times))
+        except Exception as exc:
+            raise CaptureError(f"timing the captured graph on real tensors failed: {exc}") from exc
+    return times
 
 
 def annotate_measured_time(
@@ -287,42 +345,32 @@ def annotate_measured_time(
         node name -> seconds; also written to ``node.meta["remat_time"]``.
     """
     devices = {t.device.type for t in args if isinstance(t, torch.Tensor)}
-    if "cuda" in devices:
-        sync = torch.cuda.synchronize
-    else:
-        def sync() -> None:
-            return None
-    interp = _TimingInterpreter(gm, repeats=max(1, repeats), sync=sync)
-    cuda = [t.device for t in args if isinstance(t, torch.Tensor) and t.device.type == "cuda"]
-    with torch.no_grad():
-        try:
-            with torch.random.fork_rng(devices=sorted({d.index or 0 for d in cuda})):
-                torch.fx.Interpreter(gm).run(*args, enable_io_processing=False)
-            interp.run(*args, enable_io_processing=False)
-        except Exception as exc:
-            raise CaptureError(f"timing the captured graph on real tensors failed: {exc}") from exc
+    cuda = sorted({t.device.index or 0 for t in args if isinstance(t, torch.Tensor) and t.device.type == "cuda"})
+    with torch.random.fork_rng(devices=cuda):
+        times = time_ops(whole_graph(gm, args), devices=devices, repeats=repeats)
     for node in gm.graph.nodes:
-        node.meta["remat_time"] = interp.times.get(node.name, 0.0)
-    return dict(interp.times)
+        node.meta["remat_time"] = times.get(node.name, 0.0)
+    return times
 
 
 _SPAN = "remat.op::"
 
 
 class _LabelledInterpreter(torch.fx.Interpreter):
-    """Runs each op inside a profiler range named after its node."""
+    """Runs each op inside a profiler range named after the joint-graph op it runs."""
 
     def run_node(self, n: torch.fx.Node) -> Any:
-        if n.op != "call_function" or n.target is operator.getitem:
+        label = op_label(n)
+        if label is None:
             return super().run_node(n)
-        with torch.profiler.record_function(_SPAN + n.name):
+        with torch.profiler.record_function(_SPAN + label):
             return super().run_node(n)
 
 
 def _workspace_of_spans(events: list[tuple[int, int, str]], spans: list[tuple[str, int, int]],
                         device: str) -> dict[str, int]:
     """Per span: the highest running total of the allocations inside it, less what is
-    still allocated at its end (the op's outputs)."""
+    still allocated at its end (the op's outputs); per label, the largest of its spans."""
     times = [t for t, _, dev in events if dev == device]
     sizes = [b for _, b, dev in events if dev == device]
     out: dict[str, int] = {}
@@ -334,9 +382,55 @@ def _workspace_of_spans(events: list[tuple[int, int, str]], spans: list[tuple[st
         while j < len(times) and times[j] <= end:
             j += 1
         peak, net = peak_of_events(sizes[i:j])
-        out[label[len(_SPAN):]] = max(0, peak - max(net, 0))
+        key = label[len(_SPAN):]
+        out[key] = max(out.get(key, 0), peak - max(net, 0), 0)
         i = j
     return out
+
+
+@dataclass(frozen=True)
+class WorkspaceRun:
+    """What one measured run of a step found.
+
+    Attributes
+    ----------
+    workspace : dict
+        Joint-graph op name -> the bytes it allocated beyond its outputs at its own
+        peak (the largest of its runs).
+    peak_bytes : int or None
+        The allocator's peak of the whole run above its state on entry (None where the
+        run was not measured as a whole).
+    """
+
+    workspace: dict
+    peak_bytes: int | None
+
+
+def measure_workspaces(runner: StepRunner, *, devices: set[str]) -> WorkspaceRun | None:
+    """Run the step once and measure each op's workspace by the allocator, keyed by
+    :func:`op_label`, and the run's own peak; None on CPU inside another torch profiler
+    (a second one would take over its session). Runs without autograd; the generator
+    state is the caller's to restore."""
+    accelerators = devices - {"cpu"}
+    settle_open_judges()  # a watched step's measurement still open
+    if not accelerators and profiler_running():
+        return None
+    try:
+        with torch.no_grad():
+            if not accelerators:
+                with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CPU],
+                                            profile_memory=True) as prof:
+                    runner(_LabelledInterpreter)
+                events = allocation_events(prof)
+                peak = peak_of_events(b for _, b, dev in events if dev == "cpu")[0]
+                return WorkspaceRun(_workspace_of_spans(events, labelled_spans(prof, _SPAN), "cpu"), peak)
+            device = torch.device(sorted(accelerators)[0])
+            workspace: dict[str, int] = {}
+            peaks = [0]
+            runner(lambda g: _PeakPerOpInterpreter(g, device, workspace, peaks))
+            return WorkspaceRun(workspace, max(peaks))
+    except Exception as exc:
+        raise CaptureError(f"measuring the workspace of the captured graph's ops failed: {exc}") from exc
 
 
 def annotate_measured_workspace(gm: torch.fx.GraphModule, args: list[Any]) -> dict[str, int]:
@@ -370,46 +464,42 @@ def annotate_measured_workspace(gm: torch.fx.GraphModule, args: list[Any]) -> di
     >>> annotate_measured_workspace(gm, [torch.ones(8, 8), torch.ones(8, 8)])
     {'mm': 0, 'relu': 0}
     """
-    devices = {t.device.type for t in args if isinstance(t, torch.Tensor)} - {"cpu"}
-    settle_open_judges()  # a watched step's measurement still open
-    if not devices and profiler_running():
+    devices = {t.device.type for t in args if isinstance(t, torch.Tensor)}
+    cuda = sorted({t.device.index or 0 for t in args if isinstance(t, torch.Tensor) and t.device.type == "cuda"})
+    with torch.random.fork_rng(devices=cuda):
+        run = measure_workspaces(whole_graph(gm, args), devices=devices)
+    if run is None:
         log.warning("a torch profiler is running: op workspaces are estimated, not measured")
         return annotate_estimated_workspace(gm)
-    cuda = sorted({t.device.index or 0 for t in args if isinstance(t, torch.Tensor) and t.device.type == "cuda"})
-    try:
-        with torch.no_grad(), torch.random.fork_rng(devices=cuda):
-            if not devices:
-                with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CPU],
-                                            profile_memory=True) as prof:
-                    _LabelledInterpreter(gm).run(*args, enable_io_processing=False)
-                out = _workspace_of_spans(allocation_events(prof), labelled_spans(prof, _SPAN), "cpu")
-            else:
-                interp = _PeakPerOpInterpreter(gm, torch.device(sorted(devices)[0]))
-                interp.run(*args, enable_io_processing=False)
-                out = interp.workspace
-    except Exception as exc:
-        raise CaptureError(f"measuring the workspace of the captured graph's ops failed: {exc}") from exc
     for node in gm.graph.nodes:
-        node.meta["remat_workspace"] = int(out.get(node.name, 0))
+        node.meta["remat_workspace"] = int(run.workspace.get(node.name, 0))
     gm.meta["remat_workspace_source"] = "measured"
-    return out
+    remember_workspaces(gm, run.workspace)
+    return run.workspace
 
 
 class _PeakPerOpInterpreter(torch.fx.Interpreter):
     """Runs each op under its own :class:`graphs.memory.AllocatorPeak` (accelerators,
-    whose peak statistics cost no profiler)."""
+    whose peak statistics cost no profiler); ``peaks`` collects each op's peak above
+    the allocator's state when the run began."""
 
-    def __init__(self, gm: torch.fx.GraphModule, device: torch.device):
+    def __init__(self, gm: torch.fx.GraphModule, device: torch.device, workspace: dict, peaks: list):
         super().__init__(gm)
         self.device = device
-        self.workspace: dict[str, int] = {}
+        self.workspace = workspace
+        self.peaks = peaks
+        self.start: int | None = None
 
     def run_node(self, n: torch.fx.Node) -> Any:
-        if n.op != "call_function" or n.target is operator.getitem:
+        label = op_label(n)
+        if label is None:
             return super().run_node(n)
         with AllocatorPeak(device=self.device) as m:
             result = super().run_node(n)
-        self.workspace[n.name] = max(0, m.peak_bytes - max(m.allocated_bytes, 0))
+        if self.start is None:
+            self.start = m.entry_bytes
+        self.workspace[label] = max(self.workspace.get(label, 0), m.peak_bytes - max(m.allocated_bytes, 0), 0)
+        self.peaks.append(m.entry_bytes - self.start + m.peak_bytes)
         return result
 
 
@@ -435,17 +525,74 @@ WORKSPACE_ESTIMATES: dict[Any, Callable[[torch.fx.Node], int]] = {
 }
 
 
+def _safe_softmax_mask(node: torch.fx.Node) -> int:
+    """``_safe_softmax``: a one-byte mask per element (where a row is all ``-inf``)."""
+    val = node.meta.get("val")
+    return int(val.numel()) if isinstance(val, torch.Tensor) else 0
+
+
+WORKSPACE_ESTIMATES[torch.ops.aten._safe_softmax.default] = _safe_softmax_mask
+
+#: workspaces measured in this process, by op signature (:func:`op_signature`): what an
+#: estimate takes first
+_MEASURED: dict[tuple, int] = {}
+_MEASURED_MAX = 100_000
+
+
+def op_signature(node: torch.fx.Node) -> tuple | None:
+    """What an op's workspace depends on: the op, the shapes, dtypes and strides of its
+    tensor arguments and its other arguments; None where an argument is symbolic."""
+    def key(a: Any) -> Any:
+        if isinstance(a, torch.fx.Node):
+            v = a.meta.get("val")
+            if isinstance(v, torch.Tensor):
+                try:
+                    return ("T", tuple(int(x) for x in v.shape), str(v.dtype), tuple(int(x) for x in v.stride()),
+                            v.device.type)
+                except (TypeError, RuntimeError):  # symbolic sizes
+                    raise LookupError from None
+            return ("N", repr(v))
+        if isinstance(a, (list, tuple)):
+            return tuple(key(x) for x in a)
+        return repr(a)
+
+    if node.op != "call_function":
+        return None
+    try:
+        return (str(node.target), key(list(node.args)), tuple(sorted((k, key(v)) for k, v in node.kwargs.items())))
+    except LookupError:
+        return None
+
+
+def remember_workspaces(gm: torch.fx.GraphModule, workspace: Mapping[str, int]) -> None:
+    """Keep measured workspaces (node name -> bytes) of ``gm``'s ops by op signature, for
+    later estimates in this process (:func:`annotate_estimated_workspace`)."""
+    for node in gm.graph.nodes:
+        if node.name in workspace and len(_MEASURED) < _MEASURED_MAX:
+            sig = op_signature(node)
+            if sig is not None:
+                _MEASURED[sig] = int(workspace[node.name])
+
+
+def forget_measured_workspaces() -> None:
+    """Drop the workspaces :func:`remember_workspaces` kept: estimates follow the rules
+    alone again."""
+    _MEASURED.clear()
+
+
 def annotate_estimated_workspace(gm: torch.fx.GraphModule) -> dict[str, int]:
     """Estimate each op's workspace from its fake values, by op family, when nothing can
     run. The rules follow what the CPU convolution kernels (oneDNN) allocate inside the
     op: they copy activations into a blocked memory layout. A convolution's forward
     holds the larger of its input and output plus its weight; its backward holds the
     output's gradient, plus the input when the input's gradient is computed. Every other
-    op: 0. On the U-Net-like CNNs of the tests they are within a factor 2 of the
-    measured workspaces of 3x3 convolutions and of every convolution's backward (1x1
-    and transposed forwards differ more); the measured ones,
-    :func:`annotate_measured_workspace`, are the ones to trust. The rules are
-    :data:`WORKSPACE_ESTIMATES` (op overload -> function of the node).
+    op: 0, but ``_safe_softmax`` (a one-byte mask per element). On the U-Net-like CNNs
+    of the tests they are within a factor 2 of the measured workspaces of 3x3
+    convolutions and of every convolution's backward (1x1 and transposed forwards
+    differ more); the measured ones, :func:`annotate_measured_workspace`, are the ones
+    to trust. The rules are :data:`WORKSPACE_ESTIMATES` (op overload -> function of the
+    node). An op whose signature (:func:`op_signature`: the op, its arguments' shapes,
+    dtypes and strides) was measured earlier in the process takes that figure instead.
 
     Returns
     -------
@@ -463,8 +610,9 @@ def annotate_estimated_workspace(gm: torch.fx.GraphModule) -> dict[str, int]:
     out: dict[str, int] = {}
     for node in gm.graph.nodes:
         rule = WORKSPACE_ESTIMATES.get(node.target) if node.op == "call_function" else None
+        known = _MEASURED.get(op_signature(node)) if _MEASURED and node.op == "call_function" else None
         try:
-            out[node.name] = int(rule(node)) if rule is not None else 0
+            out[node.name] = known if known is not None else int(rule(node)) if rule is not None else 0
         except Exception as exc:
             raise CaptureError(f"cannot estimate the workspace of {_where(node)}: {exc}") from exc
         node.meta["remat_workspace"] = out[node.name]

@@ -45,7 +45,7 @@ from graphs.errors import RematError
 from graphs.torch_internals import (TorchDispatchMode, allocation_events, labelled_spans, profiler_running,
                                    tree_leaves)
 
-__all__ = ["AllocatorPeak", "judge_available", "settle_open_judges", "MemoryTracker", "SavedTensorCounter", "measure_peak", "peak_of_events"]
+__all__ = ["AllocatorPeak", "judge_available", "resident_bytes", "settle_open_judges", "MemoryTracker", "SavedTensorCounter", "measure_peak", "peak_of_events"]
 
 log = logging.getLogger(__name__)
 
@@ -170,6 +170,26 @@ def peak_of_events(nbytes: Iterable[int]) -> tuple[int, int]:
     return peak, current
 
 
+def resident_bytes(*roots: Any, device: str | torch.device | None = None) -> int:
+    """Bytes of the storages of ``roots`` (modules, tensors, containers of them; each
+    storage once) on ``device``: default the first root on an accelerator, else CPU.
+
+    Examples
+    --------
+    >>> a = torch.ones(8)
+    >>> resident_bytes(a, [a, a[2:]], torch.nn.Linear(2, 2))
+    56
+    """
+    tensors = _tensors_of(roots)
+    device = _judged_device(tensors, device)
+    seen: dict[tuple, int] = {}
+    for t in tensors:
+        key = _storage_key(t)
+        if key is not None and t.device.type == device.type and (device.index is None or t.device == device):
+            seen[key] = key[2]
+    return int(sum(seen.values()))
+
+
 def _judged_device(tensors: list[torch.Tensor], device: Any) -> torch.device:
     if device is not None:
         return torch.device(device)
@@ -246,6 +266,8 @@ class AllocatorPeak:
         Bytes of the roots on entry.
     allocated_bytes : int
         What the block left allocated (allocations less frees, may be negative).
+    entry_bytes : int
+        On an accelerator, what the allocator held on entry (0 on CPU).
     tracked_peak_bytes : int or None
         The live-tensor tracker's peak of the same block (baseline included), when
         ``track``.
@@ -275,6 +297,7 @@ class AllocatorPeak:
         self._tracker: MemoryTracker | None = None
         self._prof: Any = None
         self._start = 0
+        self.entry_bytes = 0
         self.device = torch.device("cpu")
         self.peak_bytes = 0
         self.baseline_bytes = 0
@@ -329,12 +352,7 @@ class AllocatorPeak:
         self._cut = None
         tensors = _tensors_of(self._roots)
         self.device = device = _judged_device(tensors, self._device_arg)
-        seen: dict[tuple, int] = {}
-        for t in tensors:
-            key = _storage_key(t)
-            if key is not None and t.device.type == device.type and (device.index is None or t.device == device):
-                seen[key] = key[2]
-        self.baseline_bytes = self.peak_bytes = int(sum(seen.values()))
+        self.baseline_bytes = self.peak_bytes = resident_bytes(tensors, device=device)
         if device.type == "cpu":
             if profiler_running():
                 raise RematError("cannot measure the CPU allocator while a torch profiler is running (the "
@@ -347,7 +365,7 @@ class AllocatorPeak:
             stats = torch.cuda if device.type == "cuda" else torch.accelerator
             stats.synchronize(device)
             stats.reset_peak_memory_stats(device)
-            self._start = int(stats.memory_allocated(device))
+            self._start = self.entry_bytes = int(stats.memory_allocated(device))
         if self._track:
             self._tracker = MemoryTracker(*self._roots)
             self._tracker.__enter__()

@@ -192,7 +192,8 @@ def boxed(gm: fx.GraphModule) -> fx.GraphModule:
     return gm
 
 
-def _is_tangent(node: fx.Node) -> bool:
+def is_tangent(node: fx.Node) -> bool:
+    """Whether a placeholder of a joint graph is an output's gradient (a tangent)."""
     return node.op == "placeholder" and (
         node.name.startswith("tangents") or node.meta.get("partitioner_tag") == "is_backward"
     )
@@ -230,8 +231,8 @@ def partition_by_schedule(
     """
     nodes = {n.name: n for n in joint.graph.nodes}
     placeholders = [n for n in joint.graph.nodes if n.op == "placeholder"]
-    primals = [n for n in placeholders if not _is_tangent(n)]
-    tangents = [n for n in placeholders if _is_tangent(n)]
+    primals = [n for n in placeholders if not is_tangent(n)]
+    tangents = [n for n in placeholders if is_tangent(n)]
     out_node = next(n for n in reversed(joint.graph.nodes) if n.op == "output")
     outputs = list(out_node.args[0])
     fwd_outs, grads = outputs[:num_fwd_outputs], outputs[num_fwd_outputs:]

@@ -334,7 +334,7 @@ def local_tensor(t: torch.Tensor) -> torch.Tensor:
 
 
 # ---------------------------------------------------------------- module hooks
-__all__ += ["hook_registrations", "root_hooks_off"]
+__all__ += ["hook_registrations", "root_hooks_off", "module_hooks_off"]
 
 #: the attributes of a module that hold the hooks ``nn.Module.__call__`` runs
 _CALL_HOOKS = ("_forward_pre_hooks", "_forward_pre_hooks_with_kwargs", "_forward_hooks",
@@ -412,13 +412,43 @@ def root_hooks_off(model: torch.nn.Module) -> Iterator[None]:
     >>> net(torch.ones(1, 2)).abs().sum().item()
     0.0
     """
-    saved = {name: model.__dict__[name] for name in _CALL_HOOKS if name in model.__dict__}
-    for name, hooks in saved.items():
-        model.__dict__[name] = type(hooks)()
+    with _hooks_off([model]):
+        yield
+
+
+@contextlib.contextmanager
+def module_hooks_off(model: torch.nn.Module) -> Iterator[None]:
+    """Inside the block, calling ``model`` or any of its submodules runs none of their
+    forward and backward hooks (hooks registered for every module still run); they are
+    back on exit. For runs that are not training steps (planning's measurements and
+    checks), which a user's hooks should not see.
+
+    Examples
+    --------
+    >>> net = torch.nn.Sequential(torch.nn.Linear(2, 2))
+    >>> calls = []
+    >>> _ = net[0].register_forward_hook(lambda m, a, o: calls.append(1))
+    >>> with module_hooks_off(net):
+    ...     _ = net(torch.ones(1, 2))
+    >>> _ = net(torch.ones(1, 2))
+    >>> len(calls)
+    1
+    """
+    with _hooks_off(list(model.modules())):
+        yield
+
+
+@contextlib.contextmanager
+def _hooks_off(modules: list) -> Iterator[None]:
+    saved = [(m, {name: m.__dict__[name] for name in _CALL_HOOKS if name in m.__dict__}) for m in modules]
+    for m, hooks in saved:
+        for name, found in hooks.items():
+            m.__dict__[name] = type(found)()
     try:
         yield
     finally:
-        model.__dict__.update(saved)
+        for m, hooks in saved:
+            m.__dict__.update(hooks)
 
 
 # ---------------------------------------------------------------- profiler results

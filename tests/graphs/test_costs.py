@@ -6,7 +6,7 @@ from torch.fx.experimental.proxy_tensor import make_fx
 
 from graphs import CaptureError
 from graphs.costs import (annotate_estimated_workspace, annotate_flops, annotate_measured_workspace,
-                          annotate_roofline_time, annotate_storage)
+                          annotate_roofline_time, annotate_storage, forget_measured_workspaces)
 from graphs.hardware import Hardware
 
 
@@ -89,6 +89,7 @@ def test_estimated_workspace_follows_the_convolution_rules():
                                                     [False, True, False])
 
     gm = _trace(step, x, w)
+    forget_measured_workspaces()  # the rules alone, not what earlier tests measured
     ws = annotate_estimated_workspace(gm)
     out_bytes, in_bytes, w_bytes = 2 * 8 * 8 * 8 * 4, 2 * 3 * 16 * 16 * 4, 8 * 3 * 9 * 4
     assert ws["convolution"] == max(in_bytes, out_bytes) + w_bytes
@@ -100,8 +101,23 @@ def test_inside_another_profiler_the_workspace_is_estimated(caplog):
     x, w = torch.randn(2, 3, 8, 8), torch.randn(4, 3, 3, 3)
     conv = lambda a, b: torch.ops.aten.convolution(a, b, None, [1, 1], [1, 1], [1, 1], False, [0, 0], 1)
     gm = make_fx(conv)(x, w)
+    forget_measured_workspaces()
     with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CPU]):
         ws = annotate_measured_workspace(gm, [x, w])
     assert gm.meta["remat_workspace_source"] == "estimated"
     assert ws["convolution"] == (2 * 4 * 64 + 4 * 3 * 9) * 4
     assert "estimated" in caplog.text
+
+
+def test_a_workspace_measured_once_is_what_later_estimates_take():
+    x, w = torch.randn(2, 3, 12, 12), torch.randn(4, 3, 3, 3)
+    conv = lambda a, b: torch.ops.aten.convolution(a, b, None, [1, 1], [1, 1], [1, 1], False, [0, 0], 1)
+    forget_measured_workspaces()
+    rule = annotate_estimated_workspace(make_fx(conv)(x, w))["convolution"]
+    measured = annotate_measured_workspace(make_fx(conv)(x, w), [x, w])["convolution"]
+    assert measured != rule  # else the test shows nothing
+    assert annotate_estimated_workspace(make_fx(conv)(x, w))["convolution"] == measured
+    other = make_fx(conv)(torch.randn(2, 3, 20, 20), w)  # another shape: the rule again
+    assert annotate_estimated_workspace(other)["convolution"] != measured
+    forget_measured_workspaces()
+    assert annotate_estimated_workspace(make_fx(conv)(x, w))["convolution"] == rule

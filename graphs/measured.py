@@ -1,0 +1,155 @@
+"""Measuring a captured step by running one of its schedules.
+
+:func:`graphs.capture.capture` can measure op times and workspaces by running the joint
+graph in its own order, which holds every value the backward reads: the peak of the
+plain training step, the one a budget is asked for because it does not fit.
+:func:`measure_in_schedule` runs a schedule instead: the forward and backward graphs that
+:func:`graphs.rewrite.partition_by_schedule` cuts for it, as the rewritten step runs
+them (the forward keeps only what the schedule stores, recomputations where it puts
+them, each value freed after its last use, the output gradients made when the backward
+starts), with every op timed and its workspace measured by the allocator. A schedule
+that fits the budget measures within it, and the run's own peak is returned.
+
+Example
+-------
+>>> import torch
+>>> from torch import nn
+>>> from graphs.capture import capture
+>>> net = nn.Sequential(nn.Linear(8, 32), nn.ReLU(), nn.Linear(32, 1))
+>>> cg = capture(net, (torch.randn(4, 8),), backward="outputs", inplace="functional",
+...              measure_time=False, measure_workspace=False)
+>>> run = measure_in_schedule(cg, cg.order, times=True, repeats=1)
+>>> cg.meta["time_source"], cg.meta["workspace_source"], run.peak_bytes > 0
+('measured', 'measured', True)
+"""
+
+from __future__ import annotations
+
+import contextlib
+from dataclasses import dataclass
+from typing import Any, Callable, Hashable, Sequence
+
+import torch
+import torch.fx as fx
+
+from graphs.autocast import no_autocast
+from graphs.capture import real_placeholder_values, set_op_costs
+from graphs.compute_graph import BACKWARD_START, ComputeGraph
+from graphs.costs import StepRunner, measure_workspaces, remember_workspaces, time_ops
+from graphs.errors import CaptureError
+from graphs.memory import resident_bytes
+from graphs.rewrite import is_tangent, partition_by_schedule
+
+__all__ = ["ScheduleRun", "measure_in_schedule"]
+
+
+@dataclass(frozen=True)
+class ScheduleRun:
+    """One measured run of a schedule of a captured step.
+
+    Attributes
+    ----------
+    peak_bytes : int or None
+        The allocator's peak of the run: what it allocated at its highest, plus the
+        parameters, buffers and inputs it started from (None where the allocator could
+        not be read: on CPU inside another torch profiler).
+    seconds : float
+        Wall-clock seconds the measuring took.
+    """
+
+    peak_bytes: int | None
+    seconds: float
+
+
+def _schedule_runner(cg: ComputeGraph, sequence: Sequence[Hashable]) -> tuple[StepRunner, list]:
+    """A runner of the forward and backward graphs of ``sequence`` on real values, and
+    the values that exist before it runs (parameters, buffers, inputs)."""
+    info = cg.capture_info
+    gm = cg.fx
+    placeholders = [n for n in gm.graph.nodes if n.op == "placeholder"]
+    primals = [n for n in placeholders if not is_tangent(n)]
+    tangents = [n for n in placeholders if is_tangent(n)]
+    out_node = next(n for n in reversed(gm.graph.nodes) if n.op == "output")
+    num_fwd = len(out_node.args[0]) - len(primals)
+    seq = [str(s) for s in sequence if s != BACKWARD_START]
+    fw, bw, _ = partition_by_schedule(gm, seq, num_fwd_outputs=num_fwd)
+    values = real_placeholder_values(placeholders, info.step, info.flat_inputs)
+    by_name = dict(zip((p.name for p in placeholders), values))
+    primal_values = [by_name[p.name] for p in primals]
+    tangent_specs = [by_name[t.name] for t in tangents]  # ones, shaped like the outputs
+    num_out = num_fwd
+
+    def run(make: Callable[[fx.GraphModule], fx.Interpreter]) -> None:
+        fw_in = [n for n in fw.graph.nodes if n.op == "placeholder"]
+        outs = list(make(fw).run(initial_env=dict(zip(fw_in, primal_values)), enable_io_processing=False))
+        held, saved = outs[:num_out], outs[num_out:]  # the step holds its outputs through backward
+        del outs
+        bw_in = [n for n in bw.graph.nodes if n.op == "placeholder"]
+        # the output gradients arrive when the backward starts
+        env = dict(zip(bw_in, saved + [torch.ones_like(t) for t in tangent_specs]))
+        del saved
+        grads = make(bw).run(initial_env=env, enable_io_processing=False)
+        del env, grads, held
+
+    return run, primal_values
+
+
+def measure_in_schedule(cg: ComputeGraph, sequence: Sequence[Hashable], *, times: bool = True,
+                        repeats: int = 5) -> ScheduleRun:
+    """Measure the ops of a captured step by running ``sequence``, a schedule of it, on
+    the tensors it was captured with, and write the figures onto ``cg``.
+
+    Every op's workspace (what it allocates beyond its outputs, by the allocator; an op
+    the schedule runs more than once: the largest) and, with ``times``, its time (the
+    fastest of ``repeats`` runs after a warm-up, over all its runs) replace the
+    capture's figures (``cg.meta["workspace_source"]`` and ``["time_source"]`` become
+    ``"measured"``). The run holds what the schedule holds, so its peak is the
+    schedule's, not the plain step's. The generator state ends as it was.
+
+    Parameters
+    ----------
+    cg : ComputeGraph
+        Captured on real tensors with ``backward="outputs"`` (it carries ``fx`` and
+        ``capture_info``).
+    sequence : sequence of node ids
+        A valid schedule of ``cg`` (its ops in run order, a repeated id a recomputation).
+    times : bool, keyword-only
+        Also time the ops (one more run of the schedule, plus its warm-up).
+    repeats : int, keyword-only
+        Timed runs per op.
+
+    Returns
+    -------
+    ScheduleRun
+
+    Raises
+    ------
+    CaptureError
+        The graph carries no real tensors to run, or a run failed.
+    """
+    import time
+
+    info = getattr(cg, "capture_info", None)
+    if info is None or getattr(cg, "fx", None) is None or not info.real:
+        raise CaptureError("measure_in_schedule needs a graph captured on real tensors (its fx graph and "
+                           "capture info are kept in memory only)")
+    if info.backward != "outputs":
+        raise CaptureError("measure_in_schedule needs a graph captured with backward='outputs'")
+    t0 = time.perf_counter()
+    runner, resident = _schedule_runner(cg, sequence)
+    tensors = [t for t in resident if isinstance(t, torch.Tensor)]
+    devices = {t.device.type for t in tensors}
+    cuda = sorted({t.device.index or 0 for t in tensors if t.device.type == "cuda"})
+    with no_autocast(), torch.random.fork_rng(devices=cuda):
+        work = measure_workspaces(runner, devices=devices)
+        timed = time_ops(runner, devices=devices, repeats=repeats, warm=work is None) if times else None
+    peak = None
+    if work is not None:
+        peak = resident_bytes(tensors) + int(work.peak_bytes or 0)
+        set_op_costs(cg, workspaces=work.workspace)
+        remember_workspaces(cg.fx, work.workspace)
+        cg.meta["workspace_source"] = "measured"
+    if timed is not None:
+        set_op_costs(cg, times=timed)
+        cg.meta["time_source"] = "measured"
+    return ScheduleRun(peak_bytes=peak, seconds=time.perf_counter() - t0)

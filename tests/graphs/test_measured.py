@@ -1,0 +1,71 @@
+"""Measuring a captured step by running one of its schedules (graphs.measured)."""
+
+import pytest
+import torch
+
+from examples import models
+from graphs import CaptureError
+from graphs.capture import capture
+from graphs.measured import measure_in_schedule
+from solver import simulate, solve
+
+CASES = {
+    "unet_bn": lambda: models.unet_bn(batch=4, width=8, size=32),
+    "encoder": lambda: models.encoder_stack(layers=2, d=32, seq=32, batch=8),
+    "gpt": lambda: models.gpt(n_layer=2, d=32, n_head=4, seq=64, batch=4, vocab=256),
+}
+
+
+def _captured(name, **kw):
+    model, inputs = CASES[name]()
+    return model, inputs, capture(model, inputs[:1], backward="outputs", inplace="functional",
+                                  measure_time=False, **kw)
+
+
+@pytest.mark.parametrize("name", sorted(CASES))
+def test_a_schedule_run_measures_the_workspaces_of_the_store_all_run(name):
+    _, _, reference = _captured(name)  # measured by capture, in its own order
+    _, _, cg = _captured(name, measure_workspace=False)
+    assert cg.meta["workspace_source"] == "estimated"
+    measure_in_schedule(cg, cg.order, times=False)
+    assert cg.meta["workspace_source"] == "measured"
+    assert {v: cg[v]["workspace"] for v in cg.ops} == {v: reference[v]["workspace"] for v in reference.ops}
+
+
+@pytest.mark.parametrize("name,frac", [("unet_bn", 0.85), ("encoder", 0.6), ("gpt", 0.6)])
+def test_a_run_of_a_schedule_peaks_where_the_simulator_says(name, frac):
+    _, _, cg = _captured(name, measure_workspace=False)
+    schedule = solve(cg, int(frac * simulate(cg, cg.order).peak_bytes), method="eviction")
+    run = measure_in_schedule(cg, schedule.sequence, times=False)
+    predicted = simulate(cg, schedule).peak_bytes  # with the workspaces just measured
+    assert run.peak_bytes < 0.95 * simulate(cg, cg.order).peak_bytes  # the plan's memory, not the plain step's
+    assert abs(run.peak_bytes - predicted) <= 0.01 * predicted
+
+
+def test_times_are_measured_for_every_op_and_recomputations_are_timed_too():
+    _, _, cg = _captured("encoder", measure_workspace=False)
+    assert cg.meta["time_source"].startswith("roofline")
+    schedule = solve(cg, int(0.5 * simulate(cg, cg.order).peak_bytes), method="eviction")
+    measure_in_schedule(cg, schedule.sequence, times=True, repeats=1)
+    assert cg.meta["time_source"] == "measured"
+    heavy = [v for v in cg.ops if cg[v]["op"] in ("aten.mm.default", "aten.addmm.default", "aten.bmm.default")]
+    assert heavy and all(cg[v]["time"] > 0 for v in heavy)
+    recomputed = [v for v, c in schedule.counts().items() if c > 1 and v in heavy]
+    assert all(cg[v]["time"] > 0 for v in recomputed)
+
+
+def test_the_run_leaves_the_generators_and_buffers_as_they_were():
+    model, _, cg = _captured("unet_bn", measure_workspace=False)
+    buffers = [b.clone() for b in model.buffers()]
+    state = torch.get_rng_state()
+    measure_in_schedule(cg, cg.order, times=False)
+    assert torch.equal(torch.get_rng_state(), state)
+    assert all(torch.equal(a, b) for a, b in zip(buffers, model.buffers()))
+
+
+def test_fake_inputs_cannot_be_measured():
+    with torch.device("meta"):
+        model = torch.nn.Sequential(torch.nn.Linear(4, 8), torch.nn.ReLU())
+    cg = capture(model, (torch.empty(2, 4, device="meta"),), backward="outputs", measure_time=False)
+    with pytest.raises(CaptureError, match="real tensors"):
+        measure_in_schedule(cg, cg.order)
