@@ -22,7 +22,7 @@ from solver.errors import InfeasibleBudget, SolverError
 from solver.fixed import untracked_bytes
 from solver.report import Report
 
-__all__ = ["Session", "fit_measured", "measured_peak", "reproduces", "self_check", "step_undone"]
+__all__ = ["Session", "Reproduction", "fit_measured", "measured_peak", "reproduces", "self_check", "step_undone"]
 
 
 @dataclass
@@ -33,9 +33,17 @@ class Session:
     report: Report | None = None
     modules: list = field(default_factory=list)
     loss_fn: Callable[[Any], Any] | None = None  # the user's loss, when optimize was given one
+    planning_peak: int | None = None  # the highest allocator peak of planning's own runs
+
+    def saw(self, peak: int | None) -> None:
+        """Count the allocator's peak of one of planning's runs (None: not measured)."""
+        if peak is not None:
+            self.planning_peak = max(self.planning_peak or 0, int(peak))
 
     def publish(self) -> None:
         """Show the latest report on every module of the call."""
+        if self.report is not None and self.planning_peak is not None:
+            self.report.planning_peak_bytes = self.planning_peak
         for m in self.modules:
             m.report = self.report
 
@@ -117,6 +125,7 @@ def fit_measured(model: nn.Module, *, make: Callable[[int], Any], run: Callable[
             if measured is None:
                 return out
             peak = report.checked_peak_bytes = measured + extra
+            session.saw(peak)
         if peak <= budget:
             if margin:
                 report.notes.append(f"planned for {format_bytes(budget - margin)}: a step of the plan for the whole "
@@ -153,32 +162,58 @@ def _measured_smallest(model: nn.Module, exc: InfeasibleBudget, *, make: Callabl
                             lower_bound_bytes=exc.lower_bound_bytes, what="measured peak")
 
 
+@dataclass(frozen=True)
+class Reproduction:
+    """What :func:`reproduces` found.
+
+    Attributes
+    ----------
+    same : bool
+        The step gave the reference's loss and gradients (to float tolerance).
+    peak_bytes : int or None
+        The step's peak by the allocator (None for meta or fake inputs).
+    reference_peak_bytes : int or None
+        The reference's peak by the allocator.
+    """
+
+    same: bool
+    peak_bytes: int | None = None
+    reference_peak_bytes: int | None = None
+
+
 def reproduces(model: nn.Module, step: Callable, args: tuple, kwargs: dict, *,
-               loss_fn: Callable[[Any], Any] | None = None) -> tuple[bool, int | None]:
-    """One step of the rewrite against eager on the example batch: whether it gives the
-    same loss and gradients (to float tolerance), and the rewrite's peak by the
-    allocator (None for meta or fake inputs). Gradients, buffers and the RNG are left as
-    found."""
+               loss_fn: Callable[[Any], Any] | None = None, reference: Callable | None = None) -> Reproduction:
+    """One step of the rewrite against a reference step on the example batch: whether it
+    gives the same loss and gradients (to float tolerance), with both peaks by the
+    allocator. The reference is :func:`reference_step`'s (eager's loss and gradients)
+    unless ``reference`` is given: a step with the same call shape, whose loss is then
+    also checked against the model's own forward run without autograd (which saves
+    nothing). Gradients, buffers and the RNG are left as found."""
     if not_real(args, kwargs):
-        return True, None  # nothing real to run
+        return Reproduction(True)  # nothing real to run
     params = list(model.parameters())
-    results = []
-    judge = AllocatorPeak(model, (args, kwargs)) if judge_available(model, (args, kwargs)) else None
-    reference = reference_step(model)
-    for run, judged in ((lambda: step(model, args, kwargs), judge or contextlib.nullcontext()),
-                        (lambda: reference(model, args, kwargs), contextlib.nullcontext())):
+    loss_fn = loss_fn or default_loss
+    results, peaks = [], []
+    judged = judge_available(model, (args, kwargs))
+    steps = [step, reference or reference_step(model)]
+    for run in steps:
         with step_undone(model):
             torch.manual_seed(1234)
-            with judged:
-                out = run()  # held during backward, as verify does
-                loss = (loss_fn or default_loss)(out)
+            with AllocatorPeak(model, (args, kwargs)) if judged else contextlib.nullcontext() as judge:
+                out = run(model, args, kwargs)  # held during backward, as verify does
+                loss = loss_fn(out)
                 loss.backward()
                 del out
+            peaks.append(None if judge is None else int(judge.peak_bytes))
             results.append((loss.detach(), [None if p.grad is None else p.grad.detach().clone() for p in params]))
     (la, ga), (lb, gb) = results
     compiled = getattr(step, "compiler", "eager") != "eager"
     same = _close(la, lb, compiled) and all(_close(x, y, compiled) for x, y in zip(ga, gb))
-    return same, None if judge is None else int(judge.peak_bytes)
+    if same and reference is not None:
+        with step_undone(model), torch.no_grad():
+            torch.manual_seed(1234)
+            same = _close(la, loss_fn(type(model).forward(model, *args, **kwargs)).detach(), compiled)
+    return Reproduction(same, peaks[0], peaks[1])
 
 
 def reference_step(model: nn.Module) -> Callable[[nn.Module, tuple, dict], Any]:
@@ -219,10 +254,15 @@ def _close(x: torch.Tensor | None, y: torch.Tensor | None, compiled: bool) -> bo
 
 
 def self_check(model: nn.Module, step: Callable, *, args: tuple, kwargs: dict, session: Session,
-               loss_fn: Callable[[Any], Any] | None = None) -> bool:
-    """Whether the rewrite ``step`` reproduces the model's gradients on the example batch;
-    its measured peak (the same step) goes to the session's report."""
-    same, peak = reproduces(model, step, args, kwargs, loss_fn=loss_fn)
-    if peak is not None:
-        session.report.checked_peak_bytes = peak + untracked_bytes(session.report.graph)
-    return same
+               loss_fn: Callable[[Any], Any] | None = None, reference: Callable | None = None) -> bool:
+    """Whether the rewrite ``step`` reproduces the model's gradients on the example batch
+    (against ``reference``, see :func:`reproduces`); its measured peak (the same step)
+    goes to the session's report, both peaks to the session's planning peak."""
+    found = reproduces(model, step, args, kwargs, loss_fn=loss_fn, reference=reference)
+    extra = untracked_bytes(session.report.graph)
+    if found.peak_bytes is not None:
+        session.report.checked_peak_bytes = found.peak_bytes + extra
+        session.saw(found.peak_bytes + extra)
+    if found.reference_peak_bytes is not None:
+        session.saw(found.reference_peak_bytes + extra)
+    return found.same

@@ -84,7 +84,7 @@ def block_nodes(graph: ComputeGraph, block: str) -> tuple[list, list]:
     return fwd, bwd
 
 
-def _copy(graph: ComputeGraph) -> ComputeGraph:
+def editable_copy(graph: ComputeGraph) -> ComputeGraph:
     """A copy of ``graph`` whose nodes and edges can change, with its capture."""
     g = ComputeGraph(graph.nx.copy(), name=graph.name, order=graph.order, meta=dict(graph.meta))
     g.fx, g.capture_info = graph.fx, graph.capture_info
@@ -97,7 +97,7 @@ def checkpoint_view(graph: ComputeGraph, blocks: Sequence[str]) -> ComputeGraph:
     Random ops inside the blocks are recomputable, since ``torch.utils.checkpoint``
     restores the RNG state and draws the same numbers again
     (``preserve_rng_state=True``)."""
-    g = _copy(graph)
+    g = editable_copy(graph)
     for v in g.ops:
         d = g[v]
         if not d["recomputable"] and d["op"] != "tangent" and d["phase"] == "forward":
@@ -226,7 +226,7 @@ def sac_view(graph: ComputeGraph, actions: Mapping[str, str], sequence: Sequence
     if not sac:
         return graph
     at = {v: i for i, v in reversed(list(enumerate(sequence)))}
-    g = _copy(graph)
+    g = editable_copy(graph)
     for block, action in sac.items():
         fwd, bwd = block_nodes(graph, block)
         bwd = [v for v in bwd if v in at]

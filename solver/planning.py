@@ -75,6 +75,8 @@ class Captured:
     store_all: int
     capture_seconds: float
     solve_start: float
+    planning_peak: int | None = None  # the allocator's peak of the measuring run (untracked bytes included)
+    measured_with: tuple | None = None  # the schedule the measuring run ran
 
 
 def plan_step(model: nn.Module, args: tuple, kwargs: dict, *, request: Request, session: Session,
@@ -87,9 +89,14 @@ def plan_step(model: nn.Module, args: tuple, kwargs: dict, *, request: Request, 
 
     A training step is planned, whatever mode the model is in now (a model in ``eval()``
     at optimize time trains later): every module is in training mode while planning and
-    is put back as it was afterwards."""
-    with training_mode(model) as was_eval:
-        step = _plan_step(model, args, kwargs, request=request, session=session, held_back=held_back)
+    is put back as it was afterwards. Planning's own runs (capture, measurements, checks)
+    are not training steps: the hooks of the model's modules do not fire in them."""
+    from graphs.torch_internals import forward_hooks, module_hooks_off
+
+    hooked = forward_hooks(model, root=False)  # seen before planning's own runs turn them off
+    with training_mode(model) as was_eval, module_hooks_off(model):
+        step = _plan_step(model, args, kwargs, request=request, session=session, held_back=held_back,
+                          hooked=hooked)
     if was_eval:
         session.report.notes.append("planned for training: the model was in eval() when planned, and is again")
     if request.dp is not None:  # a step runs collectives: verify() measures it on every rank
@@ -115,11 +122,13 @@ def training_mode(model: nn.Module) -> Iterator[bool]:
 
 
 def _plan_step(model: nn.Module, args: tuple, kwargs: dict, *, request: Request, session: Session,
-               held_back: int) -> Any:
-    cap = capture_step(model, args, kwargs, request=request)
+               held_back: int, hooked: list[str]) -> Any:
+    cap = measure_within(capture_step(model, args, kwargs, request=request), request=request, held_back=held_back)
+    session.saw(cap.planning_peak)
     if request.mode == "graph":
         def make(margin: int) -> Any:
-            return plan_graph_checked(model, args, kwargs, cap=cap, request=request, session=session, margin=margin)
+            return plan_graph_checked(model, args, kwargs, cap=cap, request=request, session=session, margin=margin,
+                                      hooked=hooked)
     else:
         def make(margin: int) -> Any:
             return plan_module(model, cap=cap, request=request, session=session, margin=margin)
@@ -131,22 +140,20 @@ def _plan_step(model: nn.Module, args: tuple, kwargs: dict, *, request: Request,
                             kwargs=kwargs, budget=cap.budget, session=session, loss_fn=request.loss_fn,
                             held_back=held_back)
     loss_note(session.report, cap.graph, loss_fn=request.loss_fn)
-    if cap.graph.meta.get("workspace_source") == "measured" and cap.store_all > cap.budget:
-        session.report.notes.append(
-            f"planning itself peaked near the store-all peak ({format_bytes(cap.store_all)}), over the budget: "
-            "capture runs the captured step once in store-all order to measure op workspaces"
-            + (" and times" if cap.graph.meta.get("time_source") == "measured" else "")
-            + " (the gradient check runs the model with its blocks checkpointed)")
+    planning_note(session.report, cap, session)
     session.publish()
     log.info("%s", session.report)
     return step
 
 
 def capture_step(model: nn.Module, args: tuple, kwargs: dict, *, request: Request) -> Captured:
-    """The captured step with its fixed charges, and the budget in step bytes."""
+    """The captured step with its fixed charges, and the budget in step bytes. On real
+    tensors nothing runs yet: times and workspaces are measured by
+    :func:`measure_within`, in a schedule that fits."""
     t0 = time.perf_counter()
     try:
-        cg = capture(model, args, example_kwargs=kwargs, backward="outputs", measure_time=request.measure_time,
+        cg = capture(model, args, example_kwargs=kwargs, backward="outputs", measure_time=False,
+                     measure_workspace=False,
                      inplace="functional" if request.mode == "graph" else "alias")
     except CaptureError as exc:
         if request.mode == "graph" and "mode='module'" not in str(exc):
@@ -167,6 +174,119 @@ def capture_step(model: nn.Module, args: tuple, kwargs: dict, *, request: Reques
         budget = budget + cg.fixed_bytes + cg.grad_bytes
     return Captured(graph=cg, budget=budget, activation_budget=act_budget, store_all=simulate(cg, cg.order).peak_bytes,
                     capture_seconds=capture_s, solve_start=time.perf_counter())
+
+
+def measure_within(cap: Captured, *, request: Request, held_back: int = 0) -> Captured:
+    """Measure the captured step's op workspaces (and times, unless
+    ``request.measure_time`` is False) by running schedules of it
+    (:func:`graphs.measured.measure_in_schedule`) that do not need the memory the plan
+    is to save: the reference order where it fits well within the budget by the
+    capture's estimates; otherwise the lowest-peak schedule found measures the
+    workspaces (the estimates can be low), and the times are taken in a schedule that
+    fits the budget by the measured workspaces. The returned capture carries the
+    measured figures and the runs' peak. ``held_back``: bytes of the budget a replan
+    keeps back. Fake or meta tensors: as captured (roofline times, estimated
+    workspaces)."""
+    from dataclasses import replace
+
+    from graphs.measured import measure_in_schedule
+
+    cg = cap.graph
+    if not cg.capture_info.real:
+        if request.measure_time:
+            raise CaptureError("measure_time=True needs real parameters and inputs; the model or inputs are "
+                               "fake/meta (use measure_time=False for roofline times)")
+        return cap
+    t0 = time.perf_counter()
+    target, times = cap.budget - held_back, request.measure_time is not False
+    if simulate(cg, cg.order).peak_bytes <= MEASURE_MARGIN * target:
+        sequence = list(cg.order)
+        peaks = [measure_in_schedule(cg, sequence, times=times).peak_bytes]
+    else:  # schedules of a view whose random ops may run again, as the rewrite replays them
+        sequence = lowest_peak_sequence(replayed_view(cg))
+        peaks = [measure_in_schedule(cg, sequence, times=False).peak_bytes]
+        if times:
+            timed = fitting_sequence(replayed_view(cg), target) or sequence
+            peaks.append(measure_in_schedule(cg, timed, times=True).peak_bytes)
+    judged = [p + untracked_bytes(cg) for p in peaks if p is not None]
+    return replace(cap, store_all=simulate(cg, cg.order).peak_bytes,
+                   capture_seconds=cap.capture_seconds + time.perf_counter() - t0,
+                   planning_peak=max(judged) if judged else None, measured_with=tuple(sequence),
+                   solve_start=time.perf_counter())
+
+
+#: the reference order measures a step when its estimated peak is this far within the
+#: budget: the capture's workspaces are estimates until measured
+MEASURE_MARGIN = 0.9
+
+
+def replayed_view(cg: ComputeGraph) -> ComputeGraph:
+    """A copy of ``cg`` whose random ops may run more than once
+    (:func:`graphs.rewrite.replay_random_ops`), with its costs as they are now."""
+    from solver.module_plan import editable_copy
+
+    view = editable_copy(cg)
+    replay_random_ops(view)
+    return view
+
+
+def lowest_peak_sequence(cg: ComputeGraph) -> list:
+    """The lowest-peak schedule of ``cg`` that
+    :func:`solver.methods.minpeak.smallest_feasible_peak` finds."""
+    from solver.indexed import IndexedGraph
+    from solver.methods.minpeak import min_peak_sequence, smallest_feasible_peak
+
+    ix = IndexedGraph.of(cg)
+    seq = min_peak_sequence(ix, smallest_feasible_peak(cg)[0])
+    return [ix.ids[i] for i in seq] if seq is not None else list(cg.order)
+
+
+def fitting_sequence(cg: ComputeGraph, target: int) -> list | None:
+    """A quick schedule of ``cg`` within ``target`` (``eviction``), or None."""
+    try:
+        return list(solve(cg, int(target), method="eviction").sequence)
+    except RematError:
+        return None
+
+
+def planning_note(report: Report, cap: Captured, session: Session) -> None:
+    """Say in the report when planning's own runs peaked over the budget, by the
+    allocator, and which."""
+    peak = session.planning_peak
+    if peak is None or peak <= cap.budget:
+        return
+    if cap.planning_peak is not None and cap.planning_peak > cap.budget:
+        why = (f"the run that measures op workspaces peaked at {format_bytes(cap.planning_peak)}: it ran a "
+               "schedule that fits by the capture's estimates of the workspaces, which were low")
+    else:
+        why = "the gradient check or a measured step of a plan went over"
+    report.notes.append(f"planning itself peaked at {format_bytes(peak)}, over the budget "
+                        f"{format_bytes(cap.budget)}: {why}")
+
+
+def gradient_reference(model: nn.Module, cap: Captured) -> tuple[Callable | None, str | None]:
+    """The step a graph-mode rewrite is checked against within the budget, and a note.
+
+    The model's own forward with every layer block checkpointed
+    (:func:`solver.checks.reference_step`) gives eager's gradients; where it is
+    predicted over the budget, the captured step run in the schedule that measured it
+    (its lowest-peak run) is the reference, and the loss is checked against the
+    model's own forward without autograd."""
+    from solver.module_plan import checkpoint_view, plan_schedule
+
+    cg = cap.graph
+    blocks = layer_blocks(model)
+    try:
+        need = plan_schedule(checkpoint_view(cg, blocks), {b: "full" for b in blocks})[0].peak_bytes if blocks \
+            else cap.store_all
+    except RematError:
+        need = cap.store_all
+    if need <= cap.budget or cap.measured_with is None:
+        return None, None
+    step = ScheduledStep(cg, list(cap.measured_with))
+    return step, (f"the gradient check compared the plan with the captured step run at its measured schedule's "
+                  f"peak, and the loss with the model's own forward: the model with its blocks checkpointed "
+                  f"needs {format_bytes(need)}, over the budget")
 
 
 def loss_note(report: Report, cg: ComputeGraph, *, loss_fn: Callable[[Any], Any] | None) -> None:
@@ -208,7 +328,7 @@ def backward_from_loss(cg: ComputeGraph) -> None:
 # ---------------------------------------------------------------- graph mode
 
 def plan_graph_checked(model: nn.Module, args: tuple, kwargs: dict, *, cap: Captured, request: Request,
-                       session: Session, margin: int) -> Any:
+                       session: Session, margin: int, hooked: list[str] = ()) -> Any:
     """Graph mode's plan, its rewrite checked against the original's gradients.
 
     Where graph mode cannot serve the model (a submodule carries hooks, which a captured
@@ -219,31 +339,45 @@ def plan_graph_checked(model: nn.Module, args: tuple, kwargs: dict, *, cap: Capt
     from dataclasses import replace
 
     from graphs.planned import HookNotRun
-    from graphs.torch_internals import forward_hooks
 
     def in_module_mode(why: str) -> Any:
         module_request = replace(request, mode="module")
-        module_cap = capture_step(model, args, kwargs, request=module_request)  # eager in-place ops: aliases
+        module_cap = measure_within(capture_step(model, args, kwargs, request=module_request),  # in-place: aliases
+                                    request=module_request, held_back=margin)
+        session.saw(module_cap.planning_peak)
         step = plan_module(model, cap=module_cap, request=module_request, session=session, margin=margin)
         session.report.notes.append(f"planned in module mode: {why} (mode='graph' raises instead)")
         return step
 
-    hooks = forward_hooks(model, root=False)
-    if hooks:
-        why = f"graph mode's captured step does not call submodules, so their hooks would not fire ({', '.join(hooks)})"
+    if hooked:
+        why = f"graph mode's captured step does not call submodules, so their hooks would not fire ({', '.join(hooked)})"
         if request.mode_pinned:
             raise HookNotRun(f"{why}; remove them, or use mode='module' (its steps call the submodules, and "
                              "their hooks fire)")
         return in_module_mode(why)
 
     def original_peak() -> int | None:
-        return measured_peak(model, lambda: type(model).forward(model, *args, **kwargs), args, kwargs,
+        peak = measured_peak(model, lambda: type(model).forward(model, *args, **kwargs), args, kwargs,
                              loss_fn=request.loss_fn)
+        session.saw(None if peak is None else peak + untracked_bytes(cap.graph))
+        return peak
 
     out = plan_graph(cap=cap, request=request, session=session, method=request.method, margin=margin,
                      original_peak=original_peak)
-    if not isinstance(out, ScheduledStep) or not request.self_check or self_check(
-            model, out, args=args, kwargs=kwargs, session=session, loss_fn=request.loss_fn):
+    if not isinstance(out, ScheduledStep) or not request.self_check:
+        return out
+    reference, why = gradient_reference(model, cap)
+
+    def checked(step: Any) -> bool:
+        if not isinstance(step, ScheduledStep):
+            return True
+        ok = self_check(model, step, args=args, kwargs=kwargs, session=session, loss_fn=request.loss_fn,
+                        reference=reference)
+        if ok and why:
+            session.report.notes.append(why)
+        return ok
+
+    if checked(out):
         return out
     # a rewrite that does not give the model's gradients is never handed out
     first = session.report.method
@@ -255,8 +389,7 @@ def plan_graph_checked(model: nn.Module, args: tuple, kwargs: dict, *, cap: Capt
             except RematError:
                 continue
             tried.append(fallback)
-            if not isinstance(cand, ScheduledStep) or self_check(model, cand, args=args, kwargs=kwargs,
-                                                                 session=session, loss_fn=request.loss_fn):
+            if checked(cand):
                 session.report.notes.append(f"the {first} schedule failed the gradient self-check; using {fallback}")
                 return cand
     why = (f"the graph-mode rewrite ({', '.join(tried)}) did not reproduce the model's loss and gradients on the "

@@ -79,11 +79,22 @@ def test_with_loss_fn_the_first_real_step_fits_and_is_predicted(name, mode, frac
                                loss_fn=loss_fn)
         budget = exc.smallest_feasible_bytes
         assert budget > frac * _plain_peak(model, args, loss_fn)
+    _planning_fits(fast.report, budget, mode)
     (report,) = _train(fast, args, loss_fn, 1)
     real = report.step_peak_bytes
     assert real is not None and real <= budget, (real, budget)
     assert abs(report.predicted_peak_bytes - real) <= 0.03 * real, (report.predicted_peak_bytes, real)
     assert not any("outside the plan" in n for n in report.notes)
+
+
+def _planning_fits(report, budget, mode):
+    """optimize() itself, by the allocator: every run planning made on the example batch
+    (measuring op costs, the gradient check, measured steps of plans) within the budget.
+    Module mode's layer plans can measure a little over their prediction (its known
+    gap), and a plan that does is measured before it is made again: 1 % is allowed."""
+    assert report.planning_peak_bytes is not None
+    slack = 1.01 if mode == "module" else 1.0
+    assert report.planning_peak_bytes <= slack * budget, (report.planning_peak_bytes, budget, report.notes)
 
 
 @pytest.mark.parametrize("mode", ["graph", "module"])
@@ -167,14 +178,16 @@ def test_the_smallest_feasible_budget_an_error_names_is_one_that_works(name, mod
         assert exc.lower_bound_bytes <= exc.smallest_feasible_bytes
         budget = exc.smallest_feasible_bytes
         fast = solver.optimize(model, budget / GiB, args, mode=mode, measure_time=False, loss_fn=loss_fn)
+    _planning_fits(fast.report, budget, mode)
     (report,) = _train(fast, args, loss_fn, 1)
     assert report.step_peak_bytes <= budget, (report.step_peak_bytes, budget)
 
 
 @pytest.mark.slow
 @pytest.mark.parametrize("name,mode,frac", [("hf_gpt2", "graph", 0.7), ("hf_gpt2", "graph", 0.5),
-                                            ("hf_gpt2", "module", 0.7), ("hf_llama", "graph", 0.7),
-                                            ("hf_llama", "graph", 0.5), ("hf_llama", "module", 0.7)])
+                                            ("hf_gpt2", "graph", 0.3), ("hf_gpt2", "module", 0.7),
+                                            ("hf_llama", "graph", 0.7), ("hf_llama", "graph", 0.5),
+                                            ("hf_llama", "graph", 0.3), ("hf_llama", "module", 0.7)])
 def test_hf_models_with_labels_fit_from_the_first_step(name, mode, frac):
     model, batch = models.ZOO[name](n_layer=2, d=64, seq=64, batch=4)
     for p in model.parameters():
@@ -186,7 +199,13 @@ def test_hf_models_with_labels_fit_from_the_first_step(name, mode, frac):
     for p in model.parameters():
         p.grad = None
     budget = frac * judge.peak_bytes
-    fast = solver.optimize(model, budget / GiB, batch, mode=mode, measure_time=False)  # the loss is the model's
+    try:
+        fast = solver.optimize(model, budget / GiB, batch, mode=mode, measure_time=False)  # the loss is the model's
+    except solver.InfeasibleBudget as exc:  # then the figure it names must be one that works
+        assert exc.smallest_feasible_bytes > budget
+        budget = exc.smallest_feasible_bytes
+        fast = solver.optimize(model, budget / GiB, batch, mode=mode, measure_time=False)
+    _planning_fits(fast.report, budget, mode)
     opt = torch.optim.SGD(fast.parameters(), lr=1e-3)
     out = fast(**batch)
     out.loss.backward()
