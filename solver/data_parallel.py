@@ -130,8 +130,11 @@ class DataParallel:
         report.untracked_bytes = int(self.untracked)
 
     def plan_and_wrap(self, model: nn.Module, *, planner: Callable, args: tuple, kwargs: dict,
-                      blocks: list[str] | None, session: Session) -> nn.Module:
-        """Plan on this rank's batch and return the module ready to train on the rank."""
+                      blocks: list[str] | None, session: Session,
+                      copy_planner: Callable | None = None) -> nn.Module:
+        """Plan on this rank's batch and return the module ready to train on the rank;
+        under DDP a deep copy of the planned module plans again with ``copy_planner``
+        (:func:`graphs.planned.wrap_planned`), into its own report."""
         from graphs.distributed import apply_under_ddp, apply_under_fsdp, check_supported
 
         if self.sharding == "fsdp":
@@ -140,7 +143,7 @@ class DataParallel:
             out = apply_under_fsdp(model, step.actions, mesh=self.mesh, units=blocks or layer_blocks(model),
                                    **self.options)
         else:
-            inner = wrap_planned(model, planner)
+            inner = wrap_planned(model, planner, copy_planner=copy_planner)
             session.modules.append(inner)
             inner.remat_plan_now(args, kwargs)
             opts = dict(self.options)

@@ -232,7 +232,7 @@ def optimize(
     if request.dp is not None:  # planned now, on this rank's batch, then wrapped for the rank
         args, kwargs = split_inputs(example_inputs)
         wrapper = request.dp.plan_and_wrap(model, planner=planner, args=args, kwargs=kwargs, blocks=blocks,
-                                           session=session)
+                                           session=session, copy_planner=copy_planner)
     else:
         wrapper = wrap_planned(model, planner, copy_planner=copy_planner)
         session.modules.append(wrapper)

@@ -238,6 +238,11 @@ def optimize_worker(rank: int, world: int, port: int, out_dir: str, sharding: st
 
         res = _train_and_measure(rank, world, wrapped, wrapped.parameters, full_grad, batch, ref, None,
                                  rep.predicted_peak_bytes)
+        if sharding == "ddp":  # a deep copy of the planned module (an EMA) plans into its own session
+            from solver.verification import SESSION
+
+            twin = copy.deepcopy(wrapped.module)
+            res["copy_session_apart"] = twin.__dict__.get(SESSION) not in (None, wrapped.__dict__.get(SESSION))
         optimize_model.verify(wrapped, local, repeats=1)
         plan = getattr(wrapped, "remat_plan", None) or getattr(getattr(wrapped, "module", None), "remat_plan", None)
         res.update(budget=rep.budget_bytes, asked_budget=budget, no_remat=no_remat, predicted=rep.predicted_peak_bytes,

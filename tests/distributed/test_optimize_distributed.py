@@ -28,6 +28,8 @@ def test_optimize_data_parallel(tmp_path, sharding, mode):
             assert measured <= r["budget"], r
             assert abs(measured / r["predicted"] - 1) <= 0.05, r
         assert r["fits"] is True
+        if sharding == "ddp":
+            assert r["copy_session_apart"] is True
         if mode == "module":
             assert set(r["plan"]) <= set(BLOCKS) and any(a != "none" for a in r["plan"].values())
         else:
