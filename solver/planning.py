@@ -250,8 +250,11 @@ def fitting_sequence(cg: ComputeGraph, target: int) -> list | None:
 
 
 def planning_note(report: Report, cap: Captured, session: Session) -> None:
-    """Say in the report when planning's own runs peaked over the budget, by the
-    allocator, and which."""
+    """Say in the report when op workspaces are estimates, and when planning's own runs
+    peaked over the budget, by the allocator, and which."""
+    if cap.graph.meta.get("workspace_source") == "estimated":
+        report.notes.append("op workspaces are estimated per op family (fake or meta inputs; "
+                            "graphs.costs.WORKSPACE_ESTIMATES): plan on a real batch to measure them")
     peak = session.planning_peak
     if peak is None or peak <= cap.budget:
         return

@@ -216,3 +216,15 @@ def test_hf_models_with_labels_fit_from_the_first_step(name, mode, frac):
     # module mode on HF Llama predicts 5.5 % low (the known gap of its module-mode estimate)
     tolerance = 0.06 if (name, mode) == ("hf_llama", "module") else 0.03
     assert abs(report.predicted_peak_bytes - report.step_peak_bytes) <= tolerance * report.step_peak_bytes
+
+
+def test_on_meta_tensors_the_report_says_the_workspaces_are_estimated():
+    with torch.device("meta"):
+        model, (x,) = models.unet_bn(batch=4, width=8, size=32)
+    fast = solver.optimize(model, 1.0, (x,), measure_time=False)
+    assert fast.report.graph.meta["workspace_source"] == "estimated"
+    assert any("workspaces are estimated" in n for n in fast.report.notes)
+    assert fast.report.planning_peak_bytes is None  # nothing ran
+    real, (y,) = models.unet_bn(batch=4, width=8, size=32)
+    measured = solver.optimize(real, 1.0, (y,), measure_time=False).report
+    assert not any("workspaces are estimated" in n for n in measured.notes)
