@@ -25,7 +25,7 @@ from solver.plans import sequence_from_keep
 from solver.schedule import Schedule
 from solver.simulate import simulate
 
-__all__ = ["ModulePlan", "checkpoint_view", "plan_modules", "greedy_block_plan", "plan_schedule", "block_nodes", "keep_for_plan", "checkpoint_sequence",
+__all__ = ["ModulePlan", "BlockIndex", "checkpoint_view", "plan_modules", "greedy_block_plan", "plan_schedule", "block_nodes", "keep_for_plan", "checkpoint_sequence",
            "MATMUL_OPS", "ACTIONS"]
 
 log = logging.getLogger(__name__)
@@ -67,6 +67,72 @@ def _inside(module: str, block: str) -> bool:
     return module == block or module.startswith(block + ".")
 
 
+def _prefixes(module: str) -> list[str]:
+    """``module`` and every enclosing module path (``"a.b.c"`` -> ``a.b.c``, ``a.b``, ``a``)."""
+    out = [module]
+    while "." in module:
+        module = module.rsplit(".", 1)[0]
+        out.append(module)
+    return out
+
+
+class BlockIndex:
+    """The op nodes of every block of a graph, found in one pass, and what a
+    checkpointed block drops, found once per (block, action).
+
+    Pricing per-block plans simulates many plans of one graph; each of them needs the
+    nodes of its blocks (:func:`block_nodes`, a pass over the graph per block). An index
+    answers those in O(1); every function that takes ``index=`` gives what it gives
+    without one. The graph's op nodes and their ``module`` must not change while the
+    index is used.
+
+    Parameters
+    ----------
+    graph : ComputeGraph
+    blocks : sequence of str
+        Module paths.
+
+    Examples
+    --------
+    >>> g = ComputeGraph(); g.add_node("a", module="layers.0.fc"); g.add_node("b", module="layers.1")
+    >>> BlockIndex(g, ["layers.0", "layers.1"]).nodes("layers.0")
+    (['a'], [])
+    """
+
+    def __init__(self, graph: ComputeGraph, blocks: Sequence[str]) -> None:
+        self.graph = graph
+        wanted = set(blocks)
+        self._nodes: dict[str, tuple[list, list]] = {b: ([], []) for b in wanted}
+        #: a node that two blocks hold (nested blocks): block order then matters
+        self.nested = False
+        for v in graph.ops:
+            d = graph[v]
+            hits = [p for p in _prefixes(d.get("module") or "") if p in wanted]
+            self.nested = self.nested or len(hits) > 1
+            for b in hits:
+                self._nodes[b][0 if d["phase"] == "forward" else 1].append(v)
+        self._drop: dict[tuple[str, str], frozenset] = {}
+        self._forward: frozenset | None = None
+
+    def nodes(self, block: str) -> tuple[list, list]:
+        """:func:`block_nodes` of ``block`` (a block outside the index is looked up)."""
+        if block not in self._nodes:
+            self._nodes[block] = block_nodes(self.graph, block)
+        return self._nodes[block]
+
+    def forward(self) -> frozenset:
+        if self._forward is None:
+            self._forward = frozenset(self.graph.forward_nodes())
+        return self._forward
+
+    def dropped(self, block: str, action: str) -> frozenset:
+        """The forward values that checkpointing ``block`` with ``action`` drops."""
+        key = (block, action)
+        if key not in self._drop:
+            self._drop[key] = frozenset(_dropped(self.graph, self.nodes(block), action))
+        return self._drop[key]
+
+
 def block_nodes(graph: ComputeGraph, block: str) -> tuple[list, list]:
     """The forward and backward op nodes that ``block`` (a module path) ran.
 
@@ -106,27 +172,41 @@ def checkpoint_view(graph: ComputeGraph, blocks: Sequence[str]) -> ComputeGraph:
     return g
 
 
-def keep_for_plan(graph: ComputeGraph, actions: Mapping[str, str]) -> set:
+def _dropped(graph: ComputeGraph, nodes: tuple[list, list], action: str) -> list:
+    fwd, bwd = nodes
+    own = set(fwd) | set(bwd)
+    drop = []
+    for v in fwd:
+        if saves_output(action, graph[v]["op"]):
+            continue
+        # internal to the block: only the block itself reads it (its output, read by
+        # the next layer, is what the next layer or the next checkpoint saves)
+        if all(r in own for r in graph.nx.successors(v) if graph.is_op(r) and graph[r]["op"] != "tangent"):
+            drop.append(v)
+    return drop
+
+
+def keep_for_plan(graph: ComputeGraph, actions: Mapping[str, str], *, index: BlockIndex | None = None) -> set:
     """Forward values a plan keeps: all but those that only a checkpointed block itself
-    reads, in forward or backward (minus the matmul outputs of a selective block)."""
+    reads, in forward or backward (minus the matmul outputs of a selective block).
+    ``index``: a :class:`BlockIndex` of ``graph`` (same answer, faster)."""
+    if index is not None:
+        drop = set()
+        for block, action in actions.items():
+            if action != LayerAction.NONE:
+                drop.update(index.dropped(block, action))
+        return set(index.forward() - drop)
     forward = set(graph.forward_nodes())
-    drop: set = set()
+    drop = set()
     for block, action in actions.items():
         if action == LayerAction.NONE:
             continue
-        fwd, bwd = block_nodes(graph, block)
-        own = set(fwd) | set(bwd)
-        for v in fwd:
-            if saves_output(action, graph[v]["op"]):
-                continue
-            # internal to the block: only the block itself reads it (its output, read by
-            # the next layer, is what the next layer or the next checkpoint saves)
-            if all(r in own for r in graph.nx.successors(v) if graph.is_op(r) and graph[r]["op"] != "tangent"):
-                drop.add(v)
+        drop.update(_dropped(graph, block_nodes(graph, block), action))
     return forward - drop
 
 
-def checkpoint_sequence(graph: ComputeGraph, sequence: Sequence[Hashable], actions: Mapping[str, str]) -> list:
+def checkpoint_sequence(graph: ComputeGraph, sequence: Sequence[Hashable], actions: Mapping[str, str], *,
+                        index: BlockIndex | None = None) -> list:
     """The order in which non-reentrant ``torch.utils.checkpoint`` recomputes.
 
     A checkpointed block reruns its whole forward at the first read of one of its
@@ -141,6 +221,8 @@ def checkpoint_sequence(graph: ComputeGraph, sequence: Sequence[Hashable], actio
         E.g. :func:`solver.plans.sequence_from_keep` of a module plan.
     actions : mapping
         Block -> a :class:`graphs.actions.LayerAction` value.
+    index : BlockIndex, optional
+        Of ``graph``: the same sequence in one pass.
 
     Returns
     -------
@@ -148,7 +230,8 @@ def checkpoint_sequence(graph: ComputeGraph, sequence: Sequence[Hashable], actio
 
     Notes
     -----
-    O(len(sequence) x number of blocks).
+    O(len(sequence) x number of blocks); O(len(sequence)) with an ``index`` of blocks
+    that do not nest.
 
     Examples
     --------
@@ -162,10 +245,12 @@ def checkpoint_sequence(graph: ComputeGraph, sequence: Sequence[Hashable], actio
         first_bwd = next(i for i, v in enumerate(out) if graph[v]["phase"] == "backward")
     except StopIteration:
         return out
+    if index is not None and not index.nested:
+        return _gather_recomputations(out, first_bwd, actions, index)
     for block, action in actions.items():
         if action == LayerAction.NONE:
             continue
-        fwd = set(block_nodes(graph, block)[0])
+        fwd = set(index.nodes(block)[0] if index is not None else block_nodes(graph, block)[0])
         pos = [i for i, v in enumerate(out) if i > first_bwd and v in fwd]
         if len(pos) < 2:
             continue
@@ -174,6 +259,35 @@ def checkpoint_sequence(graph: ComputeGraph, sequence: Sequence[Hashable], actio
         rest = [v for i, v in enumerate(out) if i not in drop]
         out = rest[: pos[0]] + moved + rest[pos[0]:]
     return out
+
+
+def _gather_recomputations(out: list, first_bwd: int, actions: Mapping[str, str], index: BlockIndex) -> list:
+    """:func:`checkpoint_sequence` for blocks that share no node, in one pass: moving one
+    block's recomputations to its first one keeps the relative order of every other
+    step, so the moves commute and each block's steps after ``first_bwd`` can be
+    gathered at the first of them at once."""
+    member: dict[Hashable, str] = {}
+    for block, action in actions.items():
+        if action != LayerAction.NONE:
+            for v in index.nodes(block)[0]:
+                member[v] = block
+    if not member:
+        return out
+    steps: dict[str, list] = {}
+    for v in out[first_bwd + 1:]:
+        b = member.get(v)
+        if b is not None:
+            steps.setdefault(b, []).append(v)
+    result = out[: first_bwd + 1]
+    gathered: set = set()
+    for v in out[first_bwd + 1:]:
+        b = member.get(v)
+        if b is None or len(steps[b]) < 2:
+            result.append(v)
+        elif b not in gathered:
+            gathered.add(b)
+            result.extend(steps[b])
+    return result
 
 
 def _offloads(graph: ComputeGraph, sequence: list, blocks: Sequence[str]) -> list:
@@ -204,7 +318,8 @@ def _storage_owner(graph: ComputeGraph, v: Hashable) -> Hashable:
     return v
 
 
-def sac_view(graph: ComputeGraph, actions: Mapping[str, str], sequence: Sequence[Hashable]) -> ComputeGraph:
+def sac_view(graph: ComputeGraph, actions: Mapping[str, str], sequence: Sequence[Hashable], *,
+             index: BlockIndex | None = None) -> ComputeGraph:
     """The graph as selective checkpointing runs ``actions``: torch's SAC caches the
     output of every op its rule saves (:func:`graphs.actions.saves_output`) from the
     forward until the block's recomputation, whether or not backward reads it. Each such
@@ -228,7 +343,7 @@ def sac_view(graph: ComputeGraph, actions: Mapping[str, str], sequence: Sequence
     at = {v: i for i, v in reversed(list(enumerate(sequence)))}
     g = _copy(graph)
     for block, action in sac.items():
-        fwd, bwd = block_nodes(graph, block)
+        fwd, bwd = index.nodes(block) if index is not None else block_nodes(graph, block)
         bwd = [v for v in bwd if v in at]
         if not bwd:
             continue
@@ -244,19 +359,22 @@ def sac_view(graph: ComputeGraph, actions: Mapping[str, str], sequence: Sequence
     return g
 
 
-def plan_schedule(graph: ComputeGraph, actions: Mapping[str, str], *, bandwidth: float | None = None):
+def plan_schedule(graph: ComputeGraph, actions: Mapping[str, str], *, bandwidth: float | None = None,
+                  index: BlockIndex | None = None):
     """The schedule that a per-block plan runs, and its simulation.
 
     Checkpointed blocks drop what :func:`keep_for_plan` drops and recompute it at the
     start of their backward (as torch does); offloaded blocks move their saved values to
-    the host (needs ``bandwidth``, bytes per graph time unit).
+    the host (needs ``bandwidth``, bytes per graph time unit). ``index``: a
+    :class:`BlockIndex` of ``graph`` over the plan's blocks, for pricing many plans.
 
     Returns
     -------
     (Schedule, SimulationResult)
     """
     ckpt = {b: a for b, a in actions.items() if a in CHECKPOINTED}
-    seq = checkpoint_sequence(graph, sequence_from_keep(graph, keep_for_plan(graph, ckpt)), ckpt)
+    seq = checkpoint_sequence(graph, sequence_from_keep(graph, keep_for_plan(graph, ckpt, index=index)), ckpt,
+                              index=index)
     off_blocks = [b for b, a in actions.items() if a == LayerAction.OFFLOAD]
     offs = []
     if off_blocks:
@@ -265,7 +383,7 @@ def plan_schedule(graph: ComputeGraph, actions: Mapping[str, str], *, bandwidth:
         offs = _offloads(graph, seq, off_blocks)
     sched = Schedule(sequence=seq, offloads=offs, bandwidth=bandwidth if offs else None, method="module_plan",
                      info={"order": "fixed", "actions": dict(actions)})
-    res = simulate(sac_view(graph, ckpt, seq), sched)
+    res = simulate(sac_view(graph, ckpt, seq, index=index), sched)
     if not res.valid:  # pragma: no cover - the builders make valid sequences
         raise NoScheduleFound(f"plan {dict(actions)} gives an invalid sequence: {res.error}")
     sched.peak_bytes, sched.cost, sched.base_cost = res.peak_bytes, res.cost, res.base_cost
@@ -326,9 +444,10 @@ def plan_modules(
     True
     """
     graph = checkpoint_view(graph, blocks)
+    index = BlockIndex(graph, blocks)
 
     def price(plan: dict) -> tuple:
-        sched, res = plan_schedule(graph, plan, bandwidth=bandwidth)
+        sched, res = plan_schedule(graph, plan, bandwidth=bandwidth, index=index)
         return res.peak_bytes, res.cost, sched
 
     plan, (peak, _, sched), smallest, evaluations = greedy_block_plan(

@@ -504,21 +504,45 @@ def views_just_in_time(graph: ComputeGraph, sequence: Sequence[Hashable]) -> lis
 
 def _with_unread_views(graph: ComputeGraph, sequence: Sequence[Hashable], out: list, unread: list) -> list:
     """Put the last run of each unread view back after the same non-view steps as in
-    ``sequence``."""
-    result = list(out)
+    ``sequence`` (after the views put back there before it, before the views that
+    ``out`` runs there). O(len(sequence) + len(out))."""
+    views: dict = {}
+
+    def is_view(s: Hashable) -> bool:
+        if s not in views:
+            views[s] = _is_view(graph, s)
+        return views[s]
+
+    wanted = set(unread)
+    before: dict = {}  # unread view -> non-view steps before its last run
+    count = 0
+    for s in sequence:
+        if s in wanted:
+            before[s] = count
+        if not is_view(s):
+            count += 1
+    # the steps of ``out`` split at its non-view steps: segment k holds the views
+    # between the k-th non-view step and the next one
+    heads: list = []
+    segments: list[list] = [[]]
+    for s in out:
+        if is_view(s):
+            segments[-1].append(s)
+        else:
+            heads.append(s)
+            segments.append([])
     back: set = set()
     for v in unread:  # in the order they ran
-        last = max(i for i, s in enumerate(sequence) if s == v)
-        k = sum(1 for s in sequence[:last] if not _is_view(graph, s))
-        pos, seen = 0, 0
-        while pos < len(result) and seen < k:
-            if not _is_view(graph, result[pos]):
-                seen += 1
+        seg = segments[before[v]]
+        pos = 0
+        while pos < len(seg) and seg[pos] in back:  # after views put back there before
             pos += 1
-        while pos < len(result) and result[pos] in back:  # after views put back there before
-            pos += 1
-        result.insert(pos, v)
+        seg.insert(pos, v)
         back.add(v)
+    result = list(segments[0])
+    for head, seg in zip(heads, segments[1:]):
+        result.append(head)
+        result.extend(seg)
     return result
 
 

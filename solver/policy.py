@@ -541,18 +541,21 @@ class GraphPlanner:
             except Exception:  # an unusual HF config: the captured graph is all we need
                 self.config = None
         self._cache: dict[tuple, tuple] = {}
+        self._index = None  # solver.module_plan.BlockIndex of the graph, made at the first plan
 
     def evaluate(self, actions: Sequence[LayerAction]) -> tuple:
         """(Schedule, SimulationResult) of one action per layer (cached)."""
-        from solver.module_plan import plan_schedule
+        from solver.module_plan import BlockIndex, plan_schedule
 
         key = tuple(LayerAction(a) for a in actions)
         if key in self._cache:
             return self._cache[key]
         if len(key) != len(self.blocks):
             raise SolverError(f"{len(key)} actions for {len(self.blocks)} layers")
+        if self._index is None:
+            self._index = BlockIndex(self.graph, self.blocks)
         sched, res = plan_schedule(self.graph, {b: a.value for b, a in zip(self.blocks, key)},
-                                   bandwidth=self._bandwidth())
+                                   bandwidth=self._bandwidth(), index=self._index)
         if self.sharding == "fsdp":  # one rank's peak: shards, gathered units, whole gradients
             from solver.distributed import rank_peak
 
