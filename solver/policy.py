@@ -525,6 +525,10 @@ class GraphPlanner:
         self.allow_offload = bool(allow_offload)
         self.graph = captured.graph
         self.capture_seconds = captured.capture_seconds
+        repeated = self.graph.meta.get("repeated")
+        if repeated:
+            self.notes.append(f"captured {repeated['captured']} of the {repeated['layers']} layers; "
+                              f"{repeated['template']} repeated as every middle layer (they are alike)")
         _, _, o_b = analytic.state_bytes_per_parameter(captured.element_size, self.optimizer)
         self.optimizer_bytes = int(captured.trainable_numel * o_b)
         # DDP's gradient buckets: one more copy of the gradients; under FSDP2 rank_peak
