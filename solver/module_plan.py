@@ -13,6 +13,7 @@ fits, then downgrades what the budget no longer needs.
 
 from __future__ import annotations
 
+import contextlib
 import logging
 import time
 from dataclasses import dataclass, field
@@ -337,11 +338,23 @@ def sac_view(graph: ComputeGraph, actions: Mapping[str, str], sequence: Sequence
     >>> sorted(sac_view(g, {"layer": "selective"}, ["a", "b", "gb"]).nx.predecessors("gb"))
     ['a', 'b']
     """
+    edges = _sac_edges(graph, actions, sequence, index=index)
+    if edges is None:
+        return graph
+    g = _copy(graph)
+    g.nx.add_edges_from(edges)
+    g._invalidate()
+    return g
+
+
+def _sac_edges(graph: ComputeGraph, actions: Mapping[str, str], sequence: Sequence[Hashable], *,
+               index: BlockIndex | None = None) -> list | None:
+    """The edges that :func:`sac_view` adds to ``graph`` (None without a selective block)."""
     sac = {b: a for b, a in actions.items() if a in SELECTIVE_ACTIONS}
     if not sac:
-        return graph
+        return None
     at = {v: i for i, v in reversed(list(enumerate(sequence)))}
-    g = _copy(graph)
+    edges: dict = {}
     for block, action in sac.items():
         fwd, bwd = index.nodes(block) if index is not None else block_nodes(graph, block)
         bwd = [v for v in bwd if v in at]
@@ -353,10 +366,22 @@ def sac_view(graph: ComputeGraph, actions: Mapping[str, str], sequence: Sequence
                 continue
             owner = _storage_owner(graph, v)  # a cached view holds its base's storage
             for u in {v, owner}:
-                if graph.is_op(u) and not g.nx.has_edge(u, first):
-                    g.nx.add_edge(u, first)
-    g._invalidate()
-    return g
+                if graph.is_op(u) and not graph.nx.has_edge(u, first):
+                    edges[(u, first)] = None
+    return list(edges)
+
+
+@contextlib.contextmanager
+def _with_edges(graph: ComputeGraph, edges: list | None):
+    """``graph`` with ``edges`` (none of them in it) for the length of the block."""
+    if not edges:
+        yield graph
+        return
+    graph.nx.add_edges_from(edges)
+    try:
+        yield graph
+    finally:
+        graph.nx.remove_edges_from(edges)
 
 
 def plan_schedule(graph: ComputeGraph, actions: Mapping[str, str], *, bandwidth: float | None = None,
@@ -383,7 +408,11 @@ def plan_schedule(graph: ComputeGraph, actions: Mapping[str, str], *, bandwidth:
         offs = _offloads(graph, seq, off_blocks)
     sched = Schedule(sequence=seq, offloads=offs, bandwidth=bandwidth if offs else None, method="module_plan",
                      info={"order": "fixed", "actions": dict(actions)})
-    res = simulate(sac_view(graph, ckpt, seq, index=index), sched)
+    if index is None:
+        res = simulate(sac_view(graph, ckpt, seq), sched)
+    else:  # the same edges, added to the graph for the simulation instead of to a copy of it
+        with _with_edges(graph, _sac_edges(graph, ckpt, seq, index=index)) as view:
+            res = simulate(view, sched)
     if not res.valid:  # pragma: no cover - the builders make valid sequences
         raise NoScheduleFound(f"plan {dict(actions)} gives an invalid sequence: {res.error}")
     sched.peak_bytes, sched.cost, sched.base_cost = res.peak_bytes, res.cost, res.base_cost

@@ -33,7 +33,9 @@ def test_index_gives_the_plain_schedule(llama, actions):
     plan = dict(zip(blocks, actions))
     index = BlockIndex(graph, blocks)
     plain, plain_res = plan_schedule(graph, plan)
+    edges = sorted(map(str, graph.nx.edges))
     fast, fast_res = plan_schedule(graph, plan, index=index)
+    assert sorted(map(str, graph.nx.edges)) == edges  # what the simulation added is gone
     assert fast.sequence == plain.sequence
     assert (fast_res.peak_bytes, fast_res.cost) == (plain_res.peak_bytes, plain_res.cost)
     assert len(plain.sequence) > len(graph.ops) or actions == ("none",) * 3
