@@ -19,12 +19,14 @@ import time
 from dataclasses import dataclass, field
 from typing import Hashable, Iterable, Mapping, Sequence
 
+import numpy as np
+
 from graphs import ComputeGraph
 from graphs.actions import CHECKPOINTED, MATMUL_OPS, LayerAction, saves_output
 from solver.errors import InfeasibleBudget, NoScheduleFound
 from solver.plans import sequence_from_keep
 from solver.schedule import Schedule
-from solver.simulate import simulate
+from solver.simulate import SimulationResult, simulate
 
 __all__ = ["ModulePlan", "BlockIndex", "checkpoint_view", "plan_modules", "greedy_block_plan", "plan_schedule", "block_nodes", "keep_for_plan", "checkpoint_sequence",
            "MATMUL_OPS", "ACTIONS"]
@@ -114,6 +116,7 @@ class BlockIndex:
                 self._nodes[b][0 if d["phase"] == "forward" else 1].append(v)
         self._drop: dict[tuple[str, str], frozenset] = {}
         self._forward: frozenset | None = None
+        self._sim: _IndexedSimulation | None = None
 
     def nodes(self, block: str) -> tuple[list, list]:
         """:func:`block_nodes` of ``block`` (a block outside the index is looked up)."""
@@ -126,12 +129,142 @@ class BlockIndex:
             self._forward = frozenset(self.graph.forward_nodes())
         return self._forward
 
+    def sequence_from_keep(self, keep: set) -> list:
+        """:func:`solver.plans.sequence_from_keep` of ``keep`` (default order and regions)."""
+        if self._sim is None:
+            self._sim = _IndexedSimulation(self.graph)
+        return self._sim.sequence_from_keep(keep)
+
+    def simulate(self, sequence: Sequence[Hashable], extra_edges: list | None = None) -> SimulationResult | None:
+        """:func:`solver.simulate` of a sequence without offloads that the plan builders
+        made, with ``extra_edges`` read as edges of the graph; on integers, so faster.
+        None for a sequence it does not take (a node that reads a value not computed
+        yet): ask the simulator."""
+        if self._sim is None:
+            self._sim = _IndexedSimulation(self.graph)
+        return self._sim.run(sequence, extra_edges or ())
+
     def dropped(self, block: str, action: str) -> frozenset:
         """The forward values that checkpointing ``block`` with ``action`` drops."""
         key = (block, action)
         if key not in self._drop:
             self._drop[key] = frozenset(_dropped(self.graph, self.nodes(block), action))
         return self._drop[key]
+
+
+class _IndexedSimulation:
+    """The simulator's arithmetic (:mod:`solver.simulate`, without offloads) on the op
+    nodes of one graph numbered once: each plan then costs a pass over its sequence."""
+
+    def __init__(self, graph: ComputeGraph) -> None:
+        nodes, ops_set = graph.nx.nodes, graph.ops_set
+        self.ids = list(graph.ops)
+        self.num = {v: i for i, v in enumerate(self.ids)}
+        self.preds = [[self.num[u] for u in graph.nx.predecessors(v) if u in ops_set] for v in self.ids]
+        data = [nodes[v] for v in self.ids]
+        self.nbytes = np.array([int(d["bytes"]) for d in data], dtype=np.int64)
+        self.output = [bool(d.get("output", False)) for d in data]
+        groups: dict = {}
+        self.group = [-1 if d.get("group") is None else groups.setdefault(d["group"], len(groups)) for d in data]
+        self.group_index = [d.get("group_index", 0) for d in data]
+        # a step's time and workspace, starting a run of its op or continuing one
+        self.time_start = np.array([float(d["group_time"]) if d.get("group") is not None and "group_time" in d
+                                    else float(d["time"]) for d in data])
+        self.time_cont = np.array([0.0 if d.get("group") is not None and "group_time" in d else float(d["time"])
+                                   for d in data])
+        self.ws_start = np.array([int(d.get("workspace", 0)) for d in data], dtype=np.int64)
+        self.ws_cont = np.array([int(d.get("run_workspace", d.get("workspace", 0))) for d in data], dtype=np.int64)
+        self.fixed = graph.fixed_bytes
+        self.base_cost = float(sum(nodes[v]["time"] for v in graph.ops))
+        self.forward = [d["phase"] == "forward" for d in data]
+        first_bwd = next((i for i, f in enumerate(self.forward) if not f), len(data))
+        self.region = [0] * first_bwd + [1] * (len(data) - first_bwd)
+        self.forced = [f and (not d.get("recomputable", True) or d.get("output", False))
+                       for f, d in zip(self.forward, data)]
+
+    def sequence_from_keep(self, keep: set) -> list:
+        """:func:`solver.plans.sequence_from_keep` with its default order and regions."""
+        kept = list(self.forced)
+        for v in keep:
+            kept[self.num[v]] = True
+        preds, forward, ids = self.preds, self.forward, self.ids
+        avail = [-2] * len(ids)  # -2: not computed; -1 (_KEPT): serves every region
+        seq: list[int] = []
+        for i, r in enumerate(self.region):
+            missing = [u for u in preds[i] if avail[u] != -1 and avail[u] != r]
+            if missing:
+                done: set = set()
+                for t in missing:
+                    if t in done or avail[t] in (-1, r):
+                        continue
+                    stack = [(t, False)]
+                    while stack:
+                        v, expanded = stack.pop()
+                        if v in done:
+                            continue
+                        if expanded:
+                            done.add(v)
+                            seq.append(v)
+                            avail[v] = r
+                            continue
+                        if not forward[v]:
+                            raise NoScheduleFound(f"backward value {ids[v]!r} is needed but no longer resident")
+                        stack.append((v, True))
+                        stack.extend((u, False) for u in preds[v] if u not in done and avail[u] not in (-1, r))
+            seq.append(i)
+            avail[i] = -1 if kept[i] or not forward[i] else r
+        return [ids[i] for i in seq]
+
+    def run(self, sequence: Sequence[Hashable], extra_edges) -> SimulationResult | None:
+        num, preds, group, gidx = self.num, self.preds, self.group, self.group_index
+        try:
+            seq = [num[v] for v in sequence]
+            extra: dict[int, list] = {}
+            for u, v in extra_edges:
+                extra.setdefault(num[v], []).append(num[u])
+        except KeyError:
+            return None
+        n = len(seq)
+        current = [-1] * len(self.ids)
+        ends: list[int] = []
+        seen = bytearray(len(self.ids))
+        recomputations = 0
+        for t, i in enumerate(seq):
+            for u in preds[i] if i not in extra else preds[i] + extra[i]:
+                k = current[u]
+                if k < 0:
+                    return None
+                if ends[k] < t:
+                    ends[k] = t
+            if seen[i]:
+                recomputations += 1
+            seen[i] = 1
+            current[i] = len(ends)
+            ends.append(t)
+        for i, k in enumerate(current):
+            if k >= 0 and self.output[i]:
+                ends[k] = max(n - 1, ends[k])
+        at = np.asarray(seq, dtype=np.int64)
+        size = self.nbytes[at]
+        delta = np.zeros(n + 1, dtype=np.int64)
+        np.add.at(delta, np.arange(n), size)
+        np.add.at(delta, np.asarray(ends, dtype=np.int64) + 1, -size)
+        curve = np.cumsum(delta[:n]) + self.fixed
+        cont = np.zeros(n, dtype=bool)
+        for t in range(1, n):
+            g = group[seq[t]]
+            if g >= 0 and group[seq[t - 1]] == g and gidx[seq[t - 1]] < gidx[seq[t]]:
+                cont[t] = True
+        compute = np.where(cont, self.time_cont[at], self.time_start[at])
+        curve = curve + np.where(cont, self.ws_cont[at], self.ws_start[at])
+        cost = float(compute.sum())
+        if n:
+            peak_step = int(np.argmax(curve))
+            peak = int(curve[peak_step])
+        else:
+            peak_step, peak = 0, int(self.fixed)
+        return SimulationResult(valid=True, error=None, peak_bytes=peak, peak_step=peak_step, cost=cost,
+                                base_cost=self.base_cost, memory_curve=curve, recomputations=recomputations)
 
 
 def block_nodes(graph: ComputeGraph, block: str) -> tuple[list, list]:
@@ -398,8 +531,9 @@ def plan_schedule(graph: ComputeGraph, actions: Mapping[str, str], *, bandwidth:
     (Schedule, SimulationResult)
     """
     ckpt = {b: a for b, a in actions.items() if a in CHECKPOINTED}
-    seq = checkpoint_sequence(graph, sequence_from_keep(graph, keep_for_plan(graph, ckpt, index=index)), ckpt,
-                              index=index)
+    keep = keep_for_plan(graph, ckpt, index=index)
+    seq = checkpoint_sequence(graph, sequence_from_keep(graph, keep) if index is None else
+                              index.sequence_from_keep(keep), ckpt, index=index)
     off_blocks = [b for b, a in actions.items() if a == LayerAction.OFFLOAD]
     offs = []
     if off_blocks:
@@ -410,9 +544,12 @@ def plan_schedule(graph: ComputeGraph, actions: Mapping[str, str], *, bandwidth:
                      info={"order": "fixed", "actions": dict(actions)})
     if index is None:
         res = simulate(sac_view(graph, ckpt, seq), sched)
-    else:  # the same edges, added to the graph for the simulation instead of to a copy of it
-        with _with_edges(graph, _sac_edges(graph, ckpt, seq, index=index)) as view:
-            res = simulate(view, sched)
+    else:  # the same edges, read as the graph's, instead of a copy of it with them
+        edges = _sac_edges(graph, ckpt, seq, index=index)
+        res = None if offs else index.simulate(seq, edges)
+        if res is None:
+            with _with_edges(graph, edges) as view:
+                res = simulate(view, sched)
     if not res.valid:  # pragma: no cover - the builders make valid sequences
         raise NoScheduleFound(f"plan {dict(actions)} gives an invalid sequence: {res.error}")
     sched.peak_bytes, sched.cost, sched.base_cost = res.peak_bytes, res.cost, res.base_cost

@@ -37,7 +37,9 @@ def test_index_gives_the_plain_schedule(llama, actions):
     fast, fast_res = plan_schedule(graph, plan, index=index)
     assert sorted(map(str, graph.nx.edges)) == edges  # what the simulation added is gone
     assert fast.sequence == plain.sequence
-    assert (fast_res.peak_bytes, fast_res.cost) == (plain_res.peak_bytes, plain_res.cost)
+    assert (fast_res.peak_bytes, fast_res.peak_step, fast_res.cost, fast_res.base_cost, fast_res.recomputations) == (
+        plain_res.peak_bytes, plain_res.peak_step, plain_res.cost, plain_res.base_cost, plain_res.recomputations)
+    assert fast_res.memory_curve.tolist() == plain_res.memory_curve.tolist()
     assert len(plain.sequence) > len(graph.ops) or actions == ("none",) * 3
 
 
@@ -50,9 +52,13 @@ def test_index_pieces_match(llama):
         keep = keep_for_plan(graph, plan)
         assert keep_for_plan(graph, plan, index=index) == keep
         seq = sequence_from_keep(graph, keep)
+        assert index.sequence_from_keep(keep) == seq
         assert checkpoint_sequence(graph, seq, plan, index=index) == checkpoint_sequence(graph, seq, plan)
         a, b = sac_view(graph, plan, seq, index=index), sac_view(graph, plan, seq)
         assert sorted(map(str, a.nx.edges)) == sorted(map(str, b.nx.edges))
+        fast, plain = plan_schedule(graph, plan, index=index)[1], plan_schedule(graph, plan)[1]
+        assert (fast.peak_bytes, fast.peak_step, fast.cost) == (plain.peak_bytes, plain.peak_step, plain.cost)
+        assert fast.memory_curve.tolist() == plain.memory_curve.tolist()
 
 
 def test_nested_blocks_keep_the_plain_order(llama):
