@@ -24,7 +24,7 @@ import numpy as np
 from graphs import ComputeGraph
 from graphs.actions import CHECKPOINTED, MATMUL_OPS, LayerAction, saves_output
 from solver.errors import InfeasibleBudget, NoScheduleFound
-from solver.plans import sequence_from_keep
+from solver.plans import _recompute_missing, sequence_from_keep
 from solver.schedule import Schedule
 from solver.simulate import SimulationResult, simulate
 
@@ -188,29 +188,13 @@ class _IndexedSimulation:
         for v in keep:
             kept[self.num[v]] = True
         preds, forward, ids = self.preds, self.forward, self.ids
-        avail = [-2] * len(ids)  # -2: not computed; -1 (_KEPT): serves every region
+        avail: dict[int, int] = {}  # op -> region of its live copy (-1, _KEPT: every region)
         seq: list[int] = []
         for i, r in enumerate(self.region):
-            missing = [u for u in preds[i] if avail[u] != -1 and avail[u] != r]
+            missing = [u for u in preds[i] if avail.get(u) not in (-1, r)]
             if missing:
-                done: set = set()
-                for t in missing:
-                    if t in done or avail[t] in (-1, r):
-                        continue
-                    stack = [(t, False)]
-                    while stack:
-                        v, expanded = stack.pop()
-                        if v in done:
-                            continue
-                        if expanded:
-                            done.add(v)
-                            seq.append(v)
-                            avail[v] = r
-                            continue
-                        if not forward[v]:
-                            raise NoScheduleFound(f"backward value {ids[v]!r} is needed but no longer resident")
-                        stack.append((v, True))
-                        stack.extend((u, False) for u in preds[v] if u not in done and avail[u] not in (-1, r))
+                _recompute_missing(missing, r, avail, seq, preds=preds.__getitem__, forward=forward.__getitem__,
+                                  name=ids.__getitem__)
             seq.append(i)
             avail[i] = -1 if kept[i] or not forward[i] else r
         return [ids[i] for i in seq]

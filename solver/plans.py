@@ -325,6 +325,17 @@ def sequence_from_keep(
 
 def _recompute(graph: ComputeGraph, targets: list, r: int, avail: dict, seq: list) -> None:
     """Append recomputations of ``targets`` (and missing ancestors) in a topological order."""
+    _recompute_missing(targets, r, avail, seq, preds=graph.op_preds,
+                      forward=lambda v: graph[v]["phase"] == "forward", name=lambda v: v)
+
+
+def _recompute_missing(targets: list, r: int, avail: dict, seq: list, *, preds, forward, name) -> None:
+    """:func:`sequence_from_keep`'s recomputation on any numbering of the ops: append
+    ``targets`` and their missing ancestors to ``seq``, preds before the node.
+
+    ``preds(v)``: the op inputs of ``v``, in the graph's order; ``forward(v)``: whether
+    ``v`` is a forward op; ``name(v)``: its node id, for the error; ``avail``: node ->
+    region tag of its live copy (``-1``: serves every region)."""
     # iterative post-order DFS: preds before the node
     done: set = set()
     for t in targets:
@@ -340,10 +351,10 @@ def _recompute(graph: ComputeGraph, targets: list, r: int, avail: dict, seq: lis
                 seq.append(v)
                 avail[v] = r
                 continue
-            if graph[v]["phase"] != "forward":
-                raise NoScheduleFound(f"backward value {v!r} is needed but no longer resident")
+            if not forward(v):
+                raise NoScheduleFound(f"backward value {name(v)!r} is needed but no longer resident")
             stack.append((v, True))
-            for u in graph.op_preds(v):
+            for u in preds(v):
                 if u not in done and avail.get(u) not in (_KEPT, r):
                     stack.append((u, False))
 
