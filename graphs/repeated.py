@@ -131,8 +131,9 @@ def capture_repeated(model: torch.nn.Module, example_inputs: Any, *, blocks: Seq
     Returns
     -------
     ComputeGraph or None
-        None when the layers are not alike (:func:`repeated_layers`) or their captured
-        parts differ: capture the whole model then.
+        None when the layers are not alike (:func:`repeated_layers`), their captured
+        parts differ, or the model cut to four layers does not capture: capture the
+        whole model then.
 
     Examples
     --------
@@ -149,7 +150,10 @@ def capture_repeated(model: torch.nn.Module, example_inputs: Any, *, blocks: Seq
     parent, layers = found
     n = len(layers)
     short = _with_layers(model, parent, [layers[0], layers[1], layers[2], layers[n - 1]])
-    cg = capture(short, example_inputs, **options)
+    try:
+        cg = capture(short, example_inputs, **options)
+    except Exception as exc:  # the cut model may not run where the whole one does: capture that
+        return _differ(f"the model cut to {_KEPT} layers does not capture ({type(exc).__name__}: {exc})")
     return repeat_layers(cg, parent=parent, count=n)
 
 

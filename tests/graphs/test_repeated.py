@@ -110,3 +110,25 @@ def test_layers_of_other_shapes_are_not_repeated():
     net = nn.Sequential(*[nn.Linear(8, 8) for _ in range(3)], nn.Linear(8, 4), nn.Linear(4, 4), nn.Linear(4, 4))
     assert repeated_layers(net, [str(i) for i in range(6)]) is None
     assert repeated_layers(nn.Sequential(*[nn.Linear(4, 4) for _ in range(5)]), [str(i) for i in range(5)]) is None
+
+
+class _CountsLayers(nn.Module):
+    """Runs only with all of its layers (the cut model fails)."""
+
+    def __init__(self):
+        super().__init__()
+        self.layers = nn.ModuleList(nn.Linear(4, 4) for _ in range(6))
+
+    def forward(self, x):
+        if len(self.layers) != 6:
+            raise RuntimeError("needs its six layers")
+        for layer in self.layers:
+            x = layer(x)
+        return x.sum()
+
+
+def test_a_model_that_cannot_be_cut_is_captured_whole():
+    net = _CountsLayers()
+    blocks = layer_blocks(net)
+    assert repeated_layers(net, blocks) is not None
+    assert capture_repeated(net, (torch.randn(2, 4),), blocks=blocks, capture=capture, measure_time=False) is None
