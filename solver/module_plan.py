@@ -167,6 +167,8 @@ class _IndexedSimulation:
         groups: dict = {}
         self.group = [-1 if d.get("group") is None else groups.setdefault(d["group"], len(groups)) for d in data]
         self.group_index = [d.get("group_index", 0) for d in data]
+        self.group_arr = np.array(self.group, dtype=np.int64)
+        self.gidx_arr = np.array(self.group_index, dtype=float)
         # a step's time and workspace, starting a run of its op or continuing one
         self.time_start = np.array([float(d["group_time"]) if d.get("group") is not None and "group_time" in d
                                     else float(d["time"]) for d in data])
@@ -200,7 +202,7 @@ class _IndexedSimulation:
         return [ids[i] for i in seq]
 
     def run(self, sequence: Sequence[Hashable], extra_edges) -> SimulationResult | None:
-        num, preds, group, gidx = self.num, self.preds, self.group, self.group_index
+        num, preds = self.num, self.preds
         try:
             seq = [num[v] for v in sequence]
             extra: dict[int, list] = {}
@@ -231,14 +233,13 @@ class _IndexedSimulation:
         at = np.asarray(seq, dtype=np.int64)
         size = self.nbytes[at]
         delta = np.zeros(n + 1, dtype=np.int64)
-        np.add.at(delta, np.arange(n), size)
+        delta[:n] += size  # the copy made at step t is live from t
         np.add.at(delta, np.asarray(ends, dtype=np.int64) + 1, -size)
         curve = np.cumsum(delta[:n]) + self.fixed
         cont = np.zeros(n, dtype=bool)
-        for t in range(1, n):
-            g = group[seq[t]]
-            if g >= 0 and group[seq[t - 1]] == g and gidx[seq[t - 1]] < gidx[seq[t]]:
-                cont[t] = True
+        if n > 1:  # a projection right after an earlier one of its op continues the op's run
+            g, k = self.group_arr[at], self.gidx_arr[at]
+            cont[1:] = (g[1:] >= 0) & (g[1:] == g[:-1]) & (k[:-1] < k[1:])
         compute = np.where(cont, self.time_cont[at], self.time_start[at])
         curve = curve + np.where(cont, self.ws_cont[at], self.ws_start[at])
         cost = float(compute.sum())
@@ -359,8 +360,10 @@ def checkpoint_sequence(graph: ComputeGraph, sequence: Sequence[Hashable], actio
     ['f0', 'f1', 'loss', 'b1', 'b0']
     """
     out = list(sequence)
+    forward = index.forward() if index is not None else None
     try:
-        first_bwd = next(i for i, v in enumerate(out) if graph[v]["phase"] == "backward")
+        first_bwd = next(i for i, v in enumerate(out) if (v not in forward if forward is not None else
+                                                           graph[v]["phase"] == "backward"))
     except StopIteration:
         return out
     if index is not None and not index.nested:
