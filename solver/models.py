@@ -70,8 +70,8 @@ class CapturedModel:
 
 def capture_module(model: Any, example_inputs: Any = None, *, seq_len: int | None = None,
                    micro_batch: int | None = None, blocks: Sequence[str] | None = None,
-                   measure_time: bool = False, loss_fn: Any = None, hardware: Hardware | None = None
-                   ) -> CapturedModel:
+                   measure_time: bool = False, loss_fn: Any = None, hardware: Hardware | None = None,
+                   repeat: bool = True) -> CapturedModel:
     """Capture one training step of ``model`` for the trainer policies.
 
     Parameters
@@ -89,6 +89,12 @@ def capture_module(model: Any, example_inputs: Any = None, *, seq_len: int | Non
         Output -> scalar loss.
     hardware : graphs.Hardware, optional
         For the roofline times.
+    repeat : bool
+        When the layers are the items of one layer list and the middle ones are alike,
+        capture the first three and the last and repeat the third as every middle layer
+        (:func:`graphs.repeated.capture_repeated`): the same DAG up to node names, in
+        the time of a 4-layer capture. Where the captured middle layers differ, the
+        whole model is captured.
 
     Returns
     -------
@@ -120,8 +126,15 @@ def capture_module(model: Any, example_inputs: Any = None, *, seq_len: int | Non
     except StopIteration:
         device = "cpu"
     t0 = time.perf_counter()
-    graph = checkpoint_view(capture(model, example_inputs, backward="loss", measure_time=measure_time,
-                                    loss_fn=loss_fn, hardware=hardware), names)
+    options = dict(backward="loss", measure_time=measure_time, loss_fn=loss_fn, hardware=hardware)
+    graph = None
+    if repeat:
+        from graphs.repeated import capture_repeated
+
+        graph = capture_repeated(model, example_inputs, blocks=names, capture=capture, **options)
+    if graph is None:
+        graph = capture(model, example_inputs, **options)
+    graph = checkpoint_view(graph, names)
     seconds = time.perf_counter() - t0
     params = [p for p in model.parameters() if p.requires_grad]
     return CapturedModel(graph=graph, blocks=names, device=device, trainable_numel=sum(p.numel() for p in params),

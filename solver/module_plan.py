@@ -13,19 +13,22 @@ fits, then downgrades what the budget no longer needs.
 
 from __future__ import annotations
 
+import contextlib
 import logging
 import time
 from dataclasses import dataclass, field
 from typing import Hashable, Iterable, Mapping, Sequence
 
+import numpy as np
+
 from graphs import ComputeGraph
 from graphs.actions import CHECKPOINTED, MATMUL_OPS, LayerAction, saves_output
 from solver.errors import InfeasibleBudget, NoScheduleFound
-from solver.plans import sequence_from_keep
+from solver.plans import _recompute_missing, sequence_from_keep
 from solver.schedule import Schedule
-from solver.simulate import simulate
+from solver.simulate import SimulationResult, simulate
 
-__all__ = ["ModulePlan", "checkpoint_view", "plan_modules", "greedy_block_plan", "plan_schedule", "block_nodes", "keep_for_plan", "checkpoint_sequence",
+__all__ = ["ModulePlan", "BlockIndex", "checkpoint_view", "plan_modules", "greedy_block_plan", "plan_schedule", "block_nodes", "keep_for_plan", "checkpoint_sequence",
            "MATMUL_OPS", "ACTIONS"]
 
 log = logging.getLogger(__name__)
@@ -67,6 +70,188 @@ def _inside(module: str, block: str) -> bool:
     return module == block or module.startswith(block + ".")
 
 
+def _prefixes(module: str) -> list[str]:
+    """``module`` and every enclosing module path (``"a.b.c"`` -> ``a.b.c``, ``a.b``, ``a``)."""
+    out = [module]
+    while "." in module:
+        module = module.rsplit(".", 1)[0]
+        out.append(module)
+    return out
+
+
+class BlockIndex:
+    """The op nodes of every block of a graph, found in one pass, and what a
+    checkpointed block drops, found once per (block, action).
+
+    Pricing per-block plans simulates many plans of one graph; each of them needs the
+    nodes of its blocks (:func:`block_nodes`, a pass over the graph per block). An index
+    answers those in O(1); every function that takes ``index=`` gives what it gives
+    without one. The graph's op nodes and their ``module`` must not change while the
+    index is used.
+
+    Parameters
+    ----------
+    graph : ComputeGraph
+    blocks : sequence of str
+        Module paths.
+
+    Examples
+    --------
+    >>> g = ComputeGraph(); g.add_node("a", module="layers.0.fc"); g.add_node("b", module="layers.1")
+    >>> BlockIndex(g, ["layers.0", "layers.1"]).nodes("layers.0")
+    (['a'], [])
+    """
+
+    def __init__(self, graph: ComputeGraph, blocks: Sequence[str]) -> None:
+        self.graph = graph
+        wanted = set(blocks)
+        self._nodes: dict[str, tuple[list, list]] = {b: ([], []) for b in wanted}
+        #: a node that two blocks hold (nested blocks): block order then matters
+        self.nested = False
+        for v in graph.ops:
+            d = graph[v]
+            hits = [p for p in _prefixes(d.get("module") or "") if p in wanted]
+            self.nested = self.nested or len(hits) > 1
+            for b in hits:
+                self._nodes[b][0 if d["phase"] == "forward" else 1].append(v)
+        self._drop: dict[tuple[str, str], frozenset] = {}
+        self._forward: frozenset | None = None
+        self._sim: _IndexedSimulation | None = None
+
+    def nodes(self, block: str) -> tuple[list, list]:
+        """:func:`block_nodes` of ``block`` (a block outside the index is looked up)."""
+        if block not in self._nodes:
+            self._nodes[block] = block_nodes(self.graph, block)
+        return self._nodes[block]
+
+    def forward(self) -> frozenset:
+        if self._forward is None:
+            self._forward = frozenset(self.graph.forward_nodes())
+        return self._forward
+
+    def sequence_from_keep(self, keep: set) -> list:
+        """:func:`solver.plans.sequence_from_keep` of ``keep`` (default order and regions)."""
+        if self._sim is None:
+            self._sim = _IndexedSimulation(self.graph)
+        return self._sim.sequence_from_keep(keep)
+
+    def simulate(self, sequence: Sequence[Hashable], extra_edges: list | None = None) -> SimulationResult | None:
+        """:func:`solver.simulate` of a sequence without offloads that the plan builders
+        made, with ``extra_edges`` read as edges of the graph; on integers, so faster.
+        None for a sequence it does not take (a node that reads a value not computed
+        yet): ask the simulator."""
+        if self._sim is None:
+            self._sim = _IndexedSimulation(self.graph)
+        return self._sim.run(sequence, extra_edges or ())
+
+    def dropped(self, block: str, action: str) -> frozenset:
+        """The forward values that checkpointing ``block`` with ``action`` drops."""
+        key = (block, action)
+        if key not in self._drop:
+            self._drop[key] = frozenset(_dropped(self.graph, self.nodes(block), action))
+        return self._drop[key]
+
+
+class _IndexedSimulation:
+    """The simulator's arithmetic (:mod:`solver.simulate`, without offloads) on the op
+    nodes of one graph numbered once: each plan then costs a pass over its sequence."""
+
+    def __init__(self, graph: ComputeGraph) -> None:
+        nodes, ops_set = graph.nx.nodes, graph.ops_set
+        self.ids = list(graph.ops)
+        self.num = {v: i for i, v in enumerate(self.ids)}
+        self.preds = [[self.num[u] for u in graph.nx.predecessors(v) if u in ops_set] for v in self.ids]
+        data = [nodes[v] for v in self.ids]
+        self.nbytes = np.array([int(d["bytes"]) for d in data], dtype=np.int64)
+        self.output = [bool(d.get("output", False)) for d in data]
+        groups: dict = {}
+        self.group = [-1 if d.get("group") is None else groups.setdefault(d["group"], len(groups)) for d in data]
+        self.group_index = [d.get("group_index", 0) for d in data]
+        self.group_arr = np.array(self.group, dtype=np.int64)
+        self.gidx_arr = np.array(self.group_index, dtype=float)
+        # a step's time and workspace, starting a run of its op or continuing one
+        self.time_start = np.array([float(d["group_time"]) if d.get("group") is not None and "group_time" in d
+                                    else float(d["time"]) for d in data])
+        self.time_cont = np.array([0.0 if d.get("group") is not None and "group_time" in d else float(d["time"])
+                                   for d in data])
+        self.ws_start = np.array([int(d.get("workspace", 0)) for d in data], dtype=np.int64)
+        self.ws_cont = np.array([int(d.get("run_workspace", d.get("workspace", 0))) for d in data], dtype=np.int64)
+        self.fixed = graph.fixed_bytes
+        self.base_cost = float(sum(nodes[v]["time"] for v in graph.ops))
+        self.forward = [d["phase"] == "forward" for d in data]
+        first_bwd = next((i for i, f in enumerate(self.forward) if not f), len(data))
+        self.region = [0] * first_bwd + [1] * (len(data) - first_bwd)
+        self.forced = [f and (not d.get("recomputable", True) or d.get("output", False))
+                       for f, d in zip(self.forward, data)]
+
+    def sequence_from_keep(self, keep: set) -> list:
+        """:func:`solver.plans.sequence_from_keep` with its default order and regions."""
+        kept = list(self.forced)
+        for v in keep:
+            kept[self.num[v]] = True
+        preds, forward, ids = self.preds, self.forward, self.ids
+        avail: dict[int, int] = {}  # op -> region of its live copy (-1, _KEPT: every region)
+        seq: list[int] = []
+        for i, r in enumerate(self.region):
+            missing = [u for u in preds[i] if avail.get(u) not in (-1, r)]
+            if missing:
+                _recompute_missing(missing, r, avail, seq, preds=preds.__getitem__, forward=forward.__getitem__,
+                                  name=ids.__getitem__)
+            seq.append(i)
+            avail[i] = -1 if kept[i] or not forward[i] else r
+        return [ids[i] for i in seq]
+
+    def run(self, sequence: Sequence[Hashable], extra_edges) -> SimulationResult | None:
+        num, preds = self.num, self.preds
+        try:
+            seq = [num[v] for v in sequence]
+            extra: dict[int, list] = {}
+            for u, v in extra_edges:
+                extra.setdefault(num[v], []).append(num[u])
+        except KeyError:
+            return None
+        n = len(seq)
+        current = [-1] * len(self.ids)
+        ends: list[int] = []
+        seen = bytearray(len(self.ids))
+        recomputations = 0
+        for t, i in enumerate(seq):
+            for u in preds[i] if i not in extra else preds[i] + extra[i]:
+                k = current[u]
+                if k < 0:
+                    return None
+                if ends[k] < t:
+                    ends[k] = t
+            if seen[i]:
+                recomputations += 1
+            seen[i] = 1
+            current[i] = len(ends)
+            ends.append(t)
+        for i, k in enumerate(current):
+            if k >= 0 and self.output[i]:
+                ends[k] = max(n - 1, ends[k])
+        at = np.asarray(seq, dtype=np.int64)
+        size = self.nbytes[at]
+        delta = np.zeros(n + 1, dtype=np.int64)
+        delta[:n] += size  # the copy made at step t is live from t
+        np.add.at(delta, np.asarray(ends, dtype=np.int64) + 1, -size)
+        curve = np.cumsum(delta[:n]) + self.fixed
+        cont = np.zeros(n, dtype=bool)
+        if n > 1:  # a projection right after an earlier one of its op continues the op's run
+            g, k = self.group_arr[at], self.gidx_arr[at]
+            cont[1:] = (g[1:] >= 0) & (g[1:] == g[:-1]) & (k[:-1] < k[1:])
+        compute = np.where(cont, self.time_cont[at], self.time_start[at])
+        curve = curve + np.where(cont, self.ws_cont[at], self.ws_start[at])
+        cost = float(compute.sum())
+        if n:
+            peak_step = int(np.argmax(curve))
+            peak = int(curve[peak_step])
+        else:
+            peak_step, peak = 0, int(self.fixed)
+        return SimulationResult(valid=True, error=None, peak_bytes=peak, peak_step=peak_step, cost=cost,
+                                base_cost=self.base_cost, memory_curve=curve, recomputations=recomputations)
+
+
 def block_nodes(graph: ComputeGraph, block: str) -> tuple[list, list]:
     """The forward and backward op nodes that ``block`` (a module path) ran.
 
@@ -106,27 +291,41 @@ def checkpoint_view(graph: ComputeGraph, blocks: Sequence[str]) -> ComputeGraph:
     return g
 
 
-def keep_for_plan(graph: ComputeGraph, actions: Mapping[str, str]) -> set:
+def _dropped(graph: ComputeGraph, nodes: tuple[list, list], action: str) -> list:
+    fwd, bwd = nodes
+    own = set(fwd) | set(bwd)
+    drop = []
+    for v in fwd:
+        if saves_output(action, graph[v]["op"]):
+            continue
+        # internal to the block: only the block itself reads it (its output, read by
+        # the next layer, is what the next layer or the next checkpoint saves)
+        if all(r in own for r in graph.nx.successors(v) if graph.is_op(r) and graph[r]["op"] != "tangent"):
+            drop.append(v)
+    return drop
+
+
+def keep_for_plan(graph: ComputeGraph, actions: Mapping[str, str], *, index: BlockIndex | None = None) -> set:
     """Forward values a plan keeps: all but those that only a checkpointed block itself
-    reads, in forward or backward (minus the matmul outputs of a selective block)."""
+    reads, in forward or backward (minus the matmul outputs of a selective block).
+    ``index``: a :class:`BlockIndex` of ``graph`` (same answer, faster)."""
+    if index is not None:
+        drop = set()
+        for block, action in actions.items():
+            if action != LayerAction.NONE:
+                drop.update(index.dropped(block, action))
+        return set(index.forward() - drop)
     forward = set(graph.forward_nodes())
-    drop: set = set()
+    drop = set()
     for block, action in actions.items():
         if action == LayerAction.NONE:
             continue
-        fwd, bwd = block_nodes(graph, block)
-        own = set(fwd) | set(bwd)
-        for v in fwd:
-            if saves_output(action, graph[v]["op"]):
-                continue
-            # internal to the block: only the block itself reads it (its output, read by
-            # the next layer, is what the next layer or the next checkpoint saves)
-            if all(r in own for r in graph.nx.successors(v) if graph.is_op(r) and graph[r]["op"] != "tangent"):
-                drop.add(v)
+        drop.update(_dropped(graph, block_nodes(graph, block), action))
     return forward - drop
 
 
-def checkpoint_sequence(graph: ComputeGraph, sequence: Sequence[Hashable], actions: Mapping[str, str]) -> list:
+def checkpoint_sequence(graph: ComputeGraph, sequence: Sequence[Hashable], actions: Mapping[str, str], *,
+                        index: BlockIndex | None = None) -> list:
     """The order in which non-reentrant ``torch.utils.checkpoint`` recomputes.
 
     A checkpointed block reruns its whole forward at the first read of one of its
@@ -141,6 +340,8 @@ def checkpoint_sequence(graph: ComputeGraph, sequence: Sequence[Hashable], actio
         E.g. :func:`solver.plans.sequence_from_keep` of a module plan.
     actions : mapping
         Block -> a :class:`graphs.actions.LayerAction` value.
+    index : BlockIndex, optional
+        Of ``graph``: the same sequence in one pass.
 
     Returns
     -------
@@ -148,7 +349,8 @@ def checkpoint_sequence(graph: ComputeGraph, sequence: Sequence[Hashable], actio
 
     Notes
     -----
-    O(len(sequence) x number of blocks).
+    O(len(sequence) x number of blocks); O(len(sequence)) with an ``index`` of blocks
+    that do not nest.
 
     Examples
     --------
@@ -158,14 +360,18 @@ def checkpoint_sequence(graph: ComputeGraph, sequence: Sequence[Hashable], actio
     ['f0', 'f1', 'loss', 'b1', 'b0']
     """
     out = list(sequence)
+    forward = index.forward() if index is not None else None
     try:
-        first_bwd = next(i for i, v in enumerate(out) if graph[v]["phase"] == "backward")
+        first_bwd = next(i for i, v in enumerate(out) if (v not in forward if forward is not None else
+                                                           graph[v]["phase"] == "backward"))
     except StopIteration:
         return out
+    if index is not None and not index.nested:
+        return _gather_recomputations(out, first_bwd, actions, index)
     for block, action in actions.items():
         if action == LayerAction.NONE:
             continue
-        fwd = set(block_nodes(graph, block)[0])
+        fwd = set(index.nodes(block)[0] if index is not None else block_nodes(graph, block)[0])
         pos = [i for i, v in enumerate(out) if i > first_bwd and v in fwd]
         if len(pos) < 2:
             continue
@@ -174,6 +380,35 @@ def checkpoint_sequence(graph: ComputeGraph, sequence: Sequence[Hashable], actio
         rest = [v for i, v in enumerate(out) if i not in drop]
         out = rest[: pos[0]] + moved + rest[pos[0]:]
     return out
+
+
+def _gather_recomputations(out: list, first_bwd: int, actions: Mapping[str, str], index: BlockIndex) -> list:
+    """:func:`checkpoint_sequence` for blocks that share no node, in one pass: moving one
+    block's recomputations to its first one keeps the relative order of every other
+    step, so the moves commute and each block's steps after ``first_bwd`` can be
+    gathered at the first of them at once."""
+    member: dict[Hashable, str] = {}
+    for block, action in actions.items():
+        if action != LayerAction.NONE:
+            for v in index.nodes(block)[0]:
+                member[v] = block
+    if not member:
+        return out
+    steps: dict[str, list] = {}
+    for v in out[first_bwd + 1:]:
+        b = member.get(v)
+        if b is not None:
+            steps.setdefault(b, []).append(v)
+    result = out[: first_bwd + 1]
+    gathered: set = set()
+    for v in out[first_bwd + 1:]:
+        b = member.get(v)
+        if b is None or len(steps[b]) < 2:
+            result.append(v)
+        elif b not in gathered:
+            gathered.add(b)
+            result.extend(steps[b])
+    return result
 
 
 def _offloads(graph: ComputeGraph, sequence: list, blocks: Sequence[str]) -> list:
@@ -204,7 +439,8 @@ def _storage_owner(graph: ComputeGraph, v: Hashable) -> Hashable:
     return v
 
 
-def sac_view(graph: ComputeGraph, actions: Mapping[str, str], sequence: Sequence[Hashable]) -> ComputeGraph:
+def sac_view(graph: ComputeGraph, actions: Mapping[str, str], sequence: Sequence[Hashable], *,
+             index: BlockIndex | None = None) -> ComputeGraph:
     """The graph as selective checkpointing runs ``actions``: torch's SAC caches the
     output of every op its rule saves (:func:`graphs.actions.saves_output`) from the
     forward until the block's recomputation, whether or not backward reads it. Each such
@@ -222,13 +458,25 @@ def sac_view(graph: ComputeGraph, actions: Mapping[str, str], sequence: Sequence
     >>> sorted(sac_view(g, {"layer": "selective"}, ["a", "b", "gb"]).nx.predecessors("gb"))
     ['a', 'b']
     """
+    edges = _sac_edges(graph, actions, sequence, index=index)
+    if edges is None:
+        return graph
+    g = editable_copy(graph)
+    g.nx.add_edges_from(edges)
+    g._invalidate()
+    return g
+
+
+def _sac_edges(graph: ComputeGraph, actions: Mapping[str, str], sequence: Sequence[Hashable], *,
+               index: BlockIndex | None = None) -> list | None:
+    """The edges that :func:`sac_view` adds to ``graph`` (None without a selective block)."""
     sac = {b: a for b, a in actions.items() if a in SELECTIVE_ACTIONS}
     if not sac:
-        return graph
+        return None
     at = {v: i for i, v in reversed(list(enumerate(sequence)))}
-    g = editable_copy(graph)
+    edges: dict = {}
     for block, action in sac.items():
-        fwd, bwd = block_nodes(graph, block)
+        fwd, bwd = index.nodes(block) if index is not None else block_nodes(graph, block)
         bwd = [v for v in bwd if v in at]
         if not bwd:
             continue
@@ -238,25 +486,41 @@ def sac_view(graph: ComputeGraph, actions: Mapping[str, str], sequence: Sequence
                 continue
             owner = _storage_owner(graph, v)  # a cached view holds its base's storage
             for u in {v, owner}:
-                if graph.is_op(u) and not g.nx.has_edge(u, first):
-                    g.nx.add_edge(u, first)
-    g._invalidate()
-    return g
+                if graph.is_op(u) and not graph.nx.has_edge(u, first):
+                    edges[(u, first)] = None
+    return list(edges)
 
 
-def plan_schedule(graph: ComputeGraph, actions: Mapping[str, str], *, bandwidth: float | None = None):
+@contextlib.contextmanager
+def _with_edges(graph: ComputeGraph, edges: list | None):
+    """``graph`` with ``edges`` (none of them in it) for the length of the block."""
+    if not edges:
+        yield graph
+        return
+    graph.nx.add_edges_from(edges)
+    try:
+        yield graph
+    finally:
+        graph.nx.remove_edges_from(edges)
+
+
+def plan_schedule(graph: ComputeGraph, actions: Mapping[str, str], *, bandwidth: float | None = None,
+                  index: BlockIndex | None = None):
     """The schedule that a per-block plan runs, and its simulation.
 
     Checkpointed blocks drop what :func:`keep_for_plan` drops and recompute it at the
     start of their backward (as torch does); offloaded blocks move their saved values to
-    the host (needs ``bandwidth``, bytes per graph time unit).
+    the host (needs ``bandwidth``, bytes per graph time unit). ``index``: a
+    :class:`BlockIndex` of ``graph`` over the plan's blocks, for pricing many plans.
 
     Returns
     -------
     (Schedule, SimulationResult)
     """
     ckpt = {b: a for b, a in actions.items() if a in CHECKPOINTED}
-    seq = checkpoint_sequence(graph, sequence_from_keep(graph, keep_for_plan(graph, ckpt)), ckpt)
+    keep = keep_for_plan(graph, ckpt, index=index)
+    seq = checkpoint_sequence(graph, sequence_from_keep(graph, keep) if index is None else
+                              index.sequence_from_keep(keep), ckpt, index=index)
     off_blocks = [b for b, a in actions.items() if a == LayerAction.OFFLOAD]
     offs = []
     if off_blocks:
@@ -265,7 +529,14 @@ def plan_schedule(graph: ComputeGraph, actions: Mapping[str, str], *, bandwidth:
         offs = _offloads(graph, seq, off_blocks)
     sched = Schedule(sequence=seq, offloads=offs, bandwidth=bandwidth if offs else None, method="module_plan",
                      info={"order": "fixed", "actions": dict(actions)})
-    res = simulate(sac_view(graph, ckpt, seq), sched)
+    if index is None:
+        res = simulate(sac_view(graph, ckpt, seq), sched)
+    else:  # the same edges, read as the graph's, instead of a copy of it with them
+        edges = _sac_edges(graph, ckpt, seq, index=index)
+        res = None if offs else index.simulate(seq, edges)
+        if res is None:
+            with _with_edges(graph, edges) as view:
+                res = simulate(view, sched)
     if not res.valid:  # pragma: no cover - the builders make valid sequences
         raise NoScheduleFound(f"plan {dict(actions)} gives an invalid sequence: {res.error}")
     sched.peak_bytes, sched.cost, sched.base_cost = res.peak_bytes, res.cost, res.base_cost
@@ -326,9 +597,10 @@ def plan_modules(
     True
     """
     graph = checkpoint_view(graph, blocks)
+    index = BlockIndex(graph, blocks)
 
     def price(plan: dict) -> tuple:
-        sched, res = plan_schedule(graph, plan, bandwidth=bandwidth)
+        sched, res = plan_schedule(graph, plan, bandwidth=bandwidth, index=index)
         return res.peak_bytes, res.cost, sched
 
     plan, (peak, _, sched), smallest, evaluations = greedy_block_plan(

@@ -325,6 +325,17 @@ def sequence_from_keep(
 
 def _recompute(graph: ComputeGraph, targets: list, r: int, avail: dict, seq: list) -> None:
     """Append recomputations of ``targets`` (and missing ancestors) in a topological order."""
+    _recompute_missing(targets, r, avail, seq, preds=graph.op_preds,
+                      forward=lambda v: graph[v]["phase"] == "forward", name=lambda v: v)
+
+
+def _recompute_missing(targets: list, r: int, avail: dict, seq: list, *, preds, forward, name) -> None:
+    """:func:`sequence_from_keep`'s recomputation on any numbering of the ops: append
+    ``targets`` and their missing ancestors to ``seq``, preds before the node.
+
+    ``preds(v)``: the op inputs of ``v``, in the graph's order; ``forward(v)``: whether
+    ``v`` is a forward op; ``name(v)``: its node id, for the error; ``avail``: node ->
+    region tag of its live copy (``-1``: serves every region)."""
     # iterative post-order DFS: preds before the node
     done: set = set()
     for t in targets:
@@ -340,10 +351,10 @@ def _recompute(graph: ComputeGraph, targets: list, r: int, avail: dict, seq: lis
                 seq.append(v)
                 avail[v] = r
                 continue
-            if graph[v]["phase"] != "forward":
-                raise NoScheduleFound(f"backward value {v!r} is needed but no longer resident")
+            if not forward(v):
+                raise NoScheduleFound(f"backward value {name(v)!r} is needed but no longer resident")
             stack.append((v, True))
-            for u in graph.op_preds(v):
+            for u in preds(v):
                 if u not in done and avail.get(u) not in (_KEPT, r):
                     stack.append((u, False))
 
@@ -504,21 +515,45 @@ def views_just_in_time(graph: ComputeGraph, sequence: Sequence[Hashable]) -> lis
 
 def _with_unread_views(graph: ComputeGraph, sequence: Sequence[Hashable], out: list, unread: list) -> list:
     """Put the last run of each unread view back after the same non-view steps as in
-    ``sequence``."""
-    result = list(out)
+    ``sequence`` (after the views put back there before it, before the views that
+    ``out`` runs there). O(len(sequence) + len(out))."""
+    views: dict = {}
+
+    def is_view(s: Hashable) -> bool:
+        if s not in views:
+            views[s] = _is_view(graph, s)
+        return views[s]
+
+    wanted = set(unread)
+    before: dict = {}  # unread view -> non-view steps before its last run
+    count = 0
+    for s in sequence:
+        if s in wanted:
+            before[s] = count
+        if not is_view(s):
+            count += 1
+    # the steps of ``out`` split at its non-view steps: segment k holds the views
+    # between the k-th non-view step and the next one
+    heads: list = []
+    segments: list[list] = [[]]
+    for s in out:
+        if is_view(s):
+            segments[-1].append(s)
+        else:
+            heads.append(s)
+            segments.append([])
     back: set = set()
     for v in unread:  # in the order they ran
-        last = max(i for i, s in enumerate(sequence) if s == v)
-        k = sum(1 for s in sequence[:last] if not _is_view(graph, s))
-        pos, seen = 0, 0
-        while pos < len(result) and seen < k:
-            if not _is_view(graph, result[pos]):
-                seen += 1
+        seg = segments[before[v]]
+        pos = 0
+        while pos < len(seg) and seg[pos] in back:  # after views put back there before
             pos += 1
-        while pos < len(result) and result[pos] in back:  # after views put back there before
-            pos += 1
-        result.insert(pos, v)
+        seg.insert(pos, v)
         back.add(v)
+    result = list(segments[0])
+    for head, seg in zip(heads, segments[1:]):
+        result.append(head)
+        result.extend(seg)
     return result
 
 

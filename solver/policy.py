@@ -525,6 +525,10 @@ class GraphPlanner:
         self.allow_offload = bool(allow_offload)
         self.graph = captured.graph
         self.capture_seconds = captured.capture_seconds
+        repeated = self.graph.meta.get("repeated")
+        if repeated:
+            self.notes.append(f"captured {repeated['captured']} of the {repeated['layers']} layers; "
+                              f"{repeated['template']} repeated as every middle layer (they are alike)")
         _, _, o_b = analytic.state_bytes_per_parameter(captured.element_size, self.optimizer)
         self.optimizer_bytes = int(captured.trainable_numel * o_b)
         # DDP's gradient buckets: one more copy of the gradients; under FSDP2 rank_peak
@@ -541,18 +545,21 @@ class GraphPlanner:
             except Exception:  # an unusual HF config: the captured graph is all we need
                 self.config = None
         self._cache: dict[tuple, tuple] = {}
+        self._index = None  # solver.module_plan.BlockIndex of the graph, made at the first plan
 
     def evaluate(self, actions: Sequence[LayerAction]) -> tuple:
         """(Schedule, SimulationResult) of one action per layer (cached)."""
-        from solver.module_plan import plan_schedule
+        from solver.module_plan import BlockIndex, plan_schedule
 
         key = tuple(LayerAction(a) for a in actions)
         if key in self._cache:
             return self._cache[key]
         if len(key) != len(self.blocks):
             raise SolverError(f"{len(key)} actions for {len(self.blocks)} layers")
+        if self._index is None:
+            self._index = BlockIndex(self.graph, self.blocks)
         sched, res = plan_schedule(self.graph, {b: a.value for b, a in zip(self.blocks, key)},
-                                   bandwidth=self._bandwidth())
+                                   bandwidth=self._bandwidth(), index=self._index)
         if self.sharding == "fsdp":  # one rank's peak: shards, gathered units, whole gradients
             from solver.distributed import rank_peak
 

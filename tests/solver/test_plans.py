@@ -103,3 +103,46 @@ def test_benchmark_graphs_have_stage_chains():
         assert len(stages) > 5
         seq = sequence_from_keep(g, {s.boundary for s in stages})
         assert simulate(g, seq).valid
+
+
+def _unread_views_one_by_one(graph, sequence, out, unread):
+    """The definition: each unread view's last run goes back after the same number of
+    non-view steps as in ``sequence``, after the views put back there before."""
+    from solver.plans import _is_view
+
+    result = list(out)
+    back = set()
+    for v in unread:
+        last = max(i for i, s in enumerate(sequence) if s == v)
+        k = sum(1 for s in sequence[:last] if not _is_view(graph, s))
+        pos, seen = 0, 0
+        while pos < len(result) and seen < k:
+            if not _is_view(graph, result[pos]):
+                seen += 1
+            pos += 1
+        while pos < len(result) and result[pos] in back:
+            pos += 1
+        result.insert(pos, v)
+        back.add(v)
+    return result
+
+
+@settings(max_examples=200, deadline=None)
+@given(st.lists(st.integers(0, 9), min_size=1, max_size=40), st.data())
+def test_unread_views_go_back_where_the_definition_puts_them(steps, data):
+    from solver.plans import _with_unread_views
+
+    g = ComputeGraph()
+    for i in range(6):
+        g.add_node(f"o{i}", bytes=4)
+    for i in range(4):
+        g.add_node(f"v{i}", bytes=0, alias_of="o0", op="aten.view.default")
+    names = [f"o{i}" for i in range(6)] + [f"v{i}" for i in range(4)]
+    sequence = [names[s] for s in steps]
+    views = list(dict.fromkeys(v for v in sequence if v.startswith("v")))
+    unread = data.draw(st.permutations(views)).copy()[: data.draw(st.integers(0, len(views)))]
+    out = [v for v in sequence if not v.startswith("v")]
+    placed = data.draw(st.lists(st.sampled_from(views), max_size=3)) if views else []
+    for v in placed:
+        out.insert(data.draw(st.integers(0, len(out))), v)
+    assert _with_unread_views(g, sequence, out, unread) == _unread_views_one_by_one(g, sequence, out, unread)

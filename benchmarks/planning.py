@@ -1,0 +1,137 @@
+"""Where ``solver.optimize`` spends its planning time, as the model grows.
+
+For a tiny Hugging Face Llama (``LlamaConfig``, hidden 64, 4 heads, seq 128, batch 4,
+vocab 256, random weights, built from the config) with 4, 8, 16 and 32 layers, each in a
+fresh process with ``torch.set_num_threads(1)``: ``solver.optimize(model, budget,
+batch)`` at the budget halfway between the smallest feasible peak
+(``solver.methods.minpeak.smallest_feasible_peak``) and the store-all peak of its
+captured step, timed in process CPU time
+and split into
+
+* capture: the training step traced and cost-annotated (``graphs.capture``, its
+  fixed charges and the store-all simulation);
+* solve: the schedule searched (``solver.solve``);
+* check: the rest: the rewrite built (graph mode traces the joint graph again and
+  compiles it), its gradients checked against the model's, the peaks of real steps
+  measured, the report (the second table splits it).
+
+The peaks that set the budget come from a capture in the same process before
+the timed call; the timed call captures again from scratch.
+
+Run: ``python benchmarks/planning.py [--layers 4 8 16 32]``. Prints a Markdown table and
+writes ``benchmarks/results/planning.json``. Goal: 32 layers in 10 s, checks included.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import multiprocessing as mp
+import pathlib
+import sys
+import time
+
+ROOT = pathlib.Path(__file__).resolve().parents[1]
+RESULTS = ROOT / "benchmarks" / "results" / "planning.json"
+GOAL_S = 10.0
+CONFIG = dict(d=64, n_head=4, seq=128, batch=4, vocab=256)
+
+
+class _Clock:
+    """Process CPU time spent inside wrapped functions, by bucket (outermost call only)."""
+
+    def __init__(self) -> None:
+        self.spent: dict[str, float] = {}
+        self._inside: str | None = None
+
+    def wrap(self, bucket: str, fn):
+        def timed(*args, **kwargs):
+            if self._inside is not None:
+                return fn(*args, **kwargs)
+            self._inside = bucket
+            t0 = time.process_time()
+            try:
+                return fn(*args, **kwargs)
+            finally:
+                self.spent[bucket] = self.spent.get(bucket, 0.0) + time.process_time() - t0
+                self._inside = None
+        return timed
+
+
+def _run(layers: int, queue) -> None:
+    sys.path.insert(0, str(ROOT))
+    import torch
+
+    import solver
+    import solver.checks as checks
+    import solver.planning as planning
+    from graphs.graph_mode import ScheduledStep
+    from examples.models import hf_llama
+    from graphs import capture
+    from graphs.units import GiB
+    from solver.methods.minpeak import smallest_feasible_peak
+
+    torch.set_num_threads(1)
+    model, batch = hf_llama(n_layer=layers, **CONFIG)
+    graph = capture(model, batch, backward="outputs")
+    store_all = solver.simulate(graph, graph.order).peak_bytes
+    smallest = smallest_feasible_peak(graph)[0]
+    budget = (smallest + store_all) // 2
+    nodes = len(graph)
+    del graph
+
+    clock = _Clock()
+    planning.capture_step = clock.wrap("capture", planning.capture_step)
+    planning.solve = clock.wrap("solve", planning.solve)
+    # parts of the check: the rewrite (graph mode traces the joint graph again and
+    # compiles it), the gradient self-check, the measured peaks of real steps
+    ScheduledStep.__init__ = clock.wrap("rewrite", ScheduledStep.__init__)
+    planning.self_check = clock.wrap("self_check", planning.self_check)
+    checks.measured_peak = clock.wrap("measured_peak", checks.measured_peak)
+    planning.measured_peak = clock.wrap("measured_peak", planning.measured_peak)
+    t0 = time.process_time()
+    fast = solver.optimize(model, budget / GiB, batch)
+    total = time.process_time() - t0
+    report = getattr(fast, "report", None)
+    cap, sol = clock.spent.get("capture", 0.0), clock.spent.get("solve", 0.0)
+    queue.put(dict(model=f"hf-llama d{CONFIG['d']}", layers=layers, nodes=nodes, budget_bytes=int(budget),
+                   store_all_bytes=int(store_all), smallest_feasible_bytes=int(smallest), capture_s=round(cap, 2), solve_s=round(sol, 2),
+                   check_s=round(total - cap - sol, 2), total_s=round(total, 2),
+                   check_parts={k: round(clock.spent.get(k, 0.0), 2) for k in ("rewrite", "self_check",
+                                                                                 "measured_peak")},
+                   method=getattr(report, "method", None), torch=torch.__version__))
+
+
+def main(argv=None) -> None:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--layers", type=int, nargs="+", default=[4, 8, 16, 32])
+    args = ap.parse_args(argv)
+    ctx = mp.get_context("spawn")
+    rows = []
+    for layers in args.layers:
+        queue = ctx.Queue()
+        proc = ctx.Process(target=_run, args=(layers, queue))
+        proc.start()
+        rows.append(queue.get())
+        proc.join()
+        print(f"{layers} layers: {rows[-1]['total_s']} s", file=sys.stderr)
+    print(f"| model | layers | capture s | solve s | check s | total s |")
+    print("|---|---|---|---|---|---|")
+    for r in rows:
+        print(f"| {r['model']} | {r['layers']} | {r['capture_s']:.2f} | {r['solve_s']:.2f} | {r['check_s']:.2f} "
+              f"| {r['total_s']:.2f} |")
+    print()
+    print("| layers | check: rewrite s | self-check s | measured peaks s | rest s |")
+    print("|---|---|---|---|---|")
+    for r in rows:
+        parts = r["check_parts"]
+        rest = r["check_s"] - sum(parts.values())
+        print(f"| {r['layers']} | {parts['rewrite']:.2f} | {parts['self_check']:.2f} | {parts['measured_peak']:.2f} "
+              f"| {rest:.2f} |")
+    RESULTS.parent.mkdir(parents=True, exist_ok=True)
+    RESULTS.write_text(json.dumps(dict(goal_s=GOAL_S, config=CONFIG, clock="process CPU time, 1 thread",
+                                       rows=rows), indent=2) + "\n")
+
+
+if __name__ == "__main__":
+    main()

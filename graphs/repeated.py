@@ -1,0 +1,364 @@
+"""Capture a model of many identical layers by capturing four and repeating one.
+
+Tracing costs time per op: a 32-layer transformer's training step is eight times the
+ops of a 4-layer one. Its middle layers are the same computation on the same shapes, so
+their parts of the DAG are copies of one another. :func:`capture_repeated` captures the
+model with its layer list cut to the first three layers and the last one, checks that
+the second and third layers' parts of the DAG are the same (ops, bytes, FLOPs, times,
+edges), and writes the DAG of the whole model: the third layer repeated as every middle
+layer, wired to its neighbours as the second layer is wired to the third, and the last
+layer after them. Node ids of the copies are the template's with ``@<layer>``; the
+copies' ``module`` and ``name`` name their own layer.
+
+The result is a DAG for pricing (the solvers, the trainer policies, ``estimate``): it
+has no fx graph to run (``cg.fx`` and ``cg.capture_info`` are None).
+"""
+
+from __future__ import annotations
+
+import copy
+import logging
+import re
+from typing import Any, Callable, Hashable, Sequence
+
+import torch
+
+from graphs.compute_graph import BACKWARD_START, ComputeGraph
+
+__all__ = ["capture_repeated", "repeated_layers", "repeat_layers"]
+
+log = logging.getLogger(__name__)
+
+#: layers captured: the first, two middle ones (the template and its check), the last
+_KEPT = 4
+#: node attributes that two copies of a layer share
+_SAME = ("kind", "phase", "op", "bytes", "flops", "time", "workspace", "run_workspace", "output", "recomputable",
+         "group_index", "group_time")
+
+
+def _parent_and_index(block: str) -> tuple[str, int] | None:
+    parent, _, idx = block.rpartition(".")
+    return (parent, int(idx)) if idx.isdigit() else None
+
+
+def repeated_layers(model: torch.nn.Module, blocks: Sequence[str]) -> tuple[str, torch.nn.ModuleList] | None:
+    """The layer list that ``blocks`` are, when its middle layers are alike, else None.
+
+    Alike: the blocks are the items ``0 .. L-1`` of one ``nn.ModuleList`` (or
+    ``Sequential``) with ``L > 4``, and every middle layer has the type, submodule
+    types, parameter and buffer shapes, dtypes and ``requires_grad`` of layer 1, and
+    the same training flag; an HF config's ``layer_types`` (per-layer attention kinds)
+    are all the same.
+
+    Returns
+    -------
+    (parent path, layer list) or None
+
+    Examples
+    --------
+    >>> net = torch.nn.Sequential(*[torch.nn.Linear(4, 4) for _ in range(6)])
+    >>> repeated_layers(net, [str(i) for i in range(6)])[0]
+    ''
+    >>> repeated_layers(net, [str(i) for i in range(4)]) is None
+    True
+    """
+    got = [_parent_and_index(b) if "." in b else ("", int(b)) if b.isdigit() else None for b in blocks]
+    if len(blocks) <= _KEPT + 1 or any(g is None for g in got):
+        return None
+    parents = {p for p, _ in got}
+    if len(parents) != 1 or [i for _, i in got] != list(range(len(blocks))):
+        return None
+    parent = parents.pop()
+    try:
+        layers = model.get_submodule(parent) if parent else model
+    except AttributeError:
+        return None
+    if not isinstance(layers, (torch.nn.ModuleList, torch.nn.Sequential)) or len(layers) != len(blocks):
+        return None
+    config = getattr(model, "config", None)
+    kinds = getattr(config, "layer_types", None)
+    if kinds is not None and len(set(map(str, kinds))) > 1:
+        return None
+    ref = _signature(layers[1])
+    if any(_signature(layers[i]) != ref for i in range(2, len(layers) - 1)):
+        return None
+    return parent, layers
+
+
+def _signature(layer: torch.nn.Module) -> tuple:
+    mods = tuple((name, type(m).__name__, m.training) for name, m in layer.named_modules())
+    params = tuple((name, tuple(p.shape), p.dtype, p.requires_grad) for name, p in layer.named_parameters())
+    buffers = tuple((name, tuple(b.shape), b.dtype) for name, b in layer.named_buffers())
+    return mods, params, buffers
+
+
+def _with_layers(model: torch.nn.Module, parent: str, layers: list) -> torch.nn.Module:
+    """A shallow copy of ``model`` whose layer list at ``parent`` holds ``layers`` (the
+    layer modules themselves, shared with ``model``)."""
+    def with_children(module: torch.nn.Module, children: dict) -> torch.nn.Module:
+        out = copy.copy(module)
+        out._modules = children
+        return out
+
+    short = {str(i): m for i, m in enumerate(layers)}
+    if not parent:
+        return with_children(model, short)
+    names = parent.split(".")
+    path = [model]
+    for name in names:
+        path.append(path[-1]._modules[name])
+    node = with_children(path[-1], short)
+    for module, name in zip(reversed(path[:-1]), reversed(names)):
+        node = with_children(module, dict(module._modules, **{name: node}))
+    return node
+
+
+def capture_repeated(model: torch.nn.Module, example_inputs: Any, *, blocks: Sequence[str],
+                     capture: Callable[..., ComputeGraph], **options: Any) -> ComputeGraph | None:
+    """The DAG of ``model``'s training step from a capture of four of its layers.
+
+    Parameters
+    ----------
+    model : torch.nn.Module
+    example_inputs : tuple or dict
+    blocks : sequence of str
+        Module paths of its layers (:func:`graphs.module_mode.layer_blocks`).
+    capture : callable
+        :func:`graphs.capture.capture`.
+    **options
+        Passed on to ``capture``.
+
+    Returns
+    -------
+    ComputeGraph or None
+        None when the layers are not alike (:func:`repeated_layers`), their captured
+        parts differ, or the model cut to four layers does not capture: capture the
+        whole model then.
+
+    Examples
+    --------
+    >>> from graphs.capture import capture
+    >>> net = torch.nn.Sequential(*[torch.nn.Linear(8, 8) for _ in range(6)])
+    >>> cg = capture_repeated(net, (torch.randn(2, 8),), blocks=[str(i) for i in range(6)], capture=capture,
+    ...                       measure_time=False)
+    >>> len(cg.ops) == len(capture(net, (torch.randn(2, 8),), measure_time=False).ops)
+    True
+    """
+    found = repeated_layers(model, blocks)
+    if found is None:
+        return None
+    parent, layers = found
+    n = len(layers)
+    short = _with_layers(model, parent, [layers[0], layers[1], layers[2], layers[n - 1]])
+    try:
+        cg = capture(short, example_inputs, **options)
+    except Exception as exc:  # the cut model may not run where the whole one does: capture that
+        return _differ(f"the model cut to {_KEPT} layers does not capture ({type(exc).__name__}: {exc})")
+    return repeat_layers(cg, parent=parent, count=n)
+
+
+def _differ(why: str) -> None:
+    log.info("repeat_layers: capturing every layer: %s", why)
+    return None
+
+
+def _member(graph: ComputeGraph, parent: str) -> dict[Hashable, int]:
+    """Node -> index of the captured layer it belongs to: ops by ``module``, sources by
+    their parameter's name; an op without a module (the backward's gradient sums) by
+    the next op of its phase that has one, when it runs between two layers' ops."""
+    pat = re.compile(r"^" + (re.escape(parent) + r"\." if parent else "") + r"(\d+)(\.|$)")
+    out: dict[Hashable, int] = {}
+    for v, d in graph.nx.nodes(data=True):
+        text = d.get("module") if d["kind"] == "op" else d.get("name")
+        m = pat.match(text or "")
+        if m is not None:
+            out[v] = int(m.group(1))
+    for phase in ("forward", "backward"):
+        ops = [v for v in graph.order if graph[v]["phase"] == phase]
+        waiting: list = []
+        seen_layer = False
+        for v in ops:
+            if v in out:
+                if seen_layer:
+                    out.update({u: out[v] for u in waiting})
+                waiting, seen_layer = [], True
+            elif not graph[v].get("module") and graph[v]["op"] not in ("tangent", BACKWARD_START):
+                waiting.append(v)
+    return out
+
+
+def repeat_layers(graph: ComputeGraph, *, parent: str, count: int) -> ComputeGraph | None:
+    """The DAG of ``count`` layers from the DAG of four (layers 0, 1, 2 and the last).
+
+    Layer 2 is repeated as layers ``2 .. count-2``; layer 3 becomes layer ``count-1``.
+    None when layers 1 and 2 are not copies of one another, or a layer's ops are not
+    one run of the reference order in forward and in backward.
+
+    Examples
+    --------
+    >>> g = ComputeGraph()
+    >>> for i in range(4):
+    ...     g.add_node(f"f{i}", module=f"l.{i}", bytes=4)
+    >>> for i in reversed(range(4)):
+    ...     g.add_node(f"b{i}", module=f"l.{i}", phase="backward", bytes=4)
+    >>> for i in range(3):
+    ...     g.add_edge(f"f{i}", f"f{i + 1}"); g.add_edge(f"b{i + 1}", f"b{i}")
+    >>> for i in range(4):
+    ...     g.add_edge(f"f{i}", f"b{i}")
+    >>> g.add_edge("f3", "b3")
+    >>> big = repeat_layers(g, parent="l", count=6)
+    >>> big.ops
+    ['f0', 'f1', 'f2', 'f2@3', 'f2@4', 'f3', 'b3', 'b2@4', 'b2@3', 'b2', 'b1', 'b0']
+    >>> sorted(big.nx.predecessors("b2@4"))
+    ['b3', 'f2@4']
+    """
+    member = _member(graph, parent)
+    layer = {i: [v for v in graph.nx.nodes if member.get(v) == i] for i in range(_KEPT)}
+    if any(not layer[i] for i in range(_KEPT)) or len(layer[1]) != len(layer[2]):
+        return _differ('a layer has no node, or layers 1 and 2 differ in size')
+    pos = {v: i for i, v in enumerate(graph.order)}
+    nodes = graph.nx.nodes
+
+    def ranked(vs: list) -> list:  # ops in the reference order, then sources in node order
+        return sorted((v for v in vs if v in pos), key=pos.__getitem__) + [v for v in vs if v not in pos]
+
+    one, two = ranked(layer[1]), ranked(layer[2])
+    phi = dict(zip(one, two))
+    for a, b in phi.items():
+        if any(nodes[a].get(k) != nodes[b].get(k) for k in _SAME) or (
+                (nodes[a].get("group") is None) != (nodes[b].get("group") is None)):
+            return _differ("layers 1 and 2 differ in a node's costs")
+
+    def role(u: Hashable, of: int) -> tuple:
+        """Where ``u`` sits for layer ``of`` (1 or 2): ``(kind, node)``, with the nodes of
+        the middle layers named by their layer-2 node."""
+        i = member.get(u)
+        if i is None:
+            return ("shared", u)
+        if i == of:
+            return ("same", phi[u] if of == 1 else u)
+        if i == of - 1:
+            return ("prev", phi[u] if of == 2 else u)
+        if i == of + 1:
+            return ("next", u)
+        return ("far", u)
+
+    def wiring(of: int) -> set:
+        edges = set()
+        for v in (one if of == 1 else two):
+            me = phi[v] if of == 1 else v
+            edges.update(("in", me, role(u, of)) for u in graph.nx.predecessors(v))
+            edges.update(("out", me, role(w, of)) for w in graph.nx.successors(v))
+        return edges
+
+    w1, w2 = wiring(1), wiring(2)
+    if any(r[0] == "far" for _, _, r in w1 | w2):
+        return _differ('a layer reads a layer that is not its neighbour')
+    # layer 2 has layer 1's own and shared edges, and reads (is read by) layer 1 as
+    # layer 1 is read by (reads) layer 2: one wiring serves every pair of middle layers
+    inner = lambda w: {e for e in w if e[2][0] in ("same", "shared")}  # noqa: E731
+    down = {(d, me, r[1]) for d, me, r in w2 if r[0] == "prev"}
+    up = {("in" if d == "out" else "out", r[1], me) for d, me, r in w1 if r[0] == "next"}
+    if inner(w1) != inner(w2) or down != up:
+        return _differ('layers 1 and 2 are wired differently')
+    # one run of the order per layer and phase
+    for i in range(1, _KEPT):
+        for phase in ("forward", "backward"):
+            ran = sorted(pos[v] for v in layer[i] if v in pos and nodes[v]["phase"] == phase)
+            if ran and ran[-1] - ran[0] + 1 != len(ran):
+                return _differ("a layer's ops are not one run of the order")
+    inv = {b: a for a, b in phi.items()}
+
+    def alias_role(v: Hashable) -> tuple | None:
+        """What the alias of layer-2 node ``v`` is, in the terms of :func:`role`; a view
+        of the next layer (a gradient flowing down) as layer 1's view of layer 2."""
+        r = role(nodes[v]["alias_of"], 2)
+        if r[0] != "next":
+            return r if r[0] != "far" else None
+        r1 = role(nodes[inv[v]].get("alias_of"), 1) if nodes[inv[v]].get("alias_of") is not None else None
+        return ("next", r1[1], r[1]) if r1 is not None and r1[0] == "next" else None
+
+    aliases = {v: alias_role(v) for v in two if nodes[v].get("alias_of") is not None}
+    if any(r is None for r in aliases.values()):
+        return _differ("layers 1 and 2 alias the storage of other layers differently")
+
+    g = ComputeGraph(graph.nx.copy(), name=graph.name, meta=dict(graph.meta))
+    last = count - 1
+    copies = list(range(3, last))  # layer 2 is the first copy of itself
+
+    def rename(text: Any, i: int, j: int) -> Any:
+        if not isinstance(text, str):
+            return text
+        old = f"{parent}.{i}" if parent else str(i)
+        new = f"{parent}.{j}" if parent else str(j)
+        return re.sub(r"(^|[^\w.])" + re.escape(old) + r"(?=\.|$|[^\w])", lambda m: m.group(1) + new, text)
+
+    def at(j: int, v: Hashable) -> Hashable:
+        """The node of middle layer ``j`` that is ``v`` (a node of layer 2) there."""
+        return v if j == 2 else f"{v}@{j}"
+
+    def node_of(r: tuple, j: int) -> Hashable:
+        kind, u = r[0], r[1]
+        if kind == "shared":
+            return u
+        if kind == "next":  # (next, layer-2 node as layer 1 sees it, the last layer's node)
+            return r[2] if j == last - 1 else at(j + 1, u)
+        return at(j, u) if kind == "same" else at(j - 1, u)  # "prev": layer j - 1
+
+    for j in copies:
+        for v in two:
+            d = dict(nodes[v])
+            for key in ("module", "name"):
+                if key in d:
+                    d[key] = rename(d[key], 2, j)
+            if d.get("group") is not None:
+                d["group"] = f"{d['group']}@{j}"
+            if v in aliases:
+                d["alias_of"] = node_of(aliases[v], j)
+            g.nx.add_node(at(j, v), **d)
+    for j in copies:
+        for d, me, r in w2:
+            if r[0] != "next":
+                u = node_of(r, j)
+                g.nx.add_edge(*((u, at(j, me)) if d == "in" else (at(j, me), u)))
+    # the last layer reads (and is read by) the last middle layer instead of layer 2
+    for v in two:
+        for u in [u for u in graph.nx.predecessors(v) if member.get(u) == 3]:
+            g.nx.remove_edge(u, v)
+            g.nx.add_edge(u, at(last - 1, v))
+        for w in [w for w in graph.nx.successors(v) if member.get(w) == 3]:
+            g.nx.remove_edge(v, w)
+            g.nx.add_edge(at(last - 1, v), w)
+    for v, r in aliases.items():  # layer 2's views of the next layer: of copy 3 now
+        if r[0] == "next":
+            g.nx.nodes[v]["alias_of"] = node_of(r, 2)
+    for v in layer[3]:
+        a = nodes[v].get("alias_of")
+        if a is not None and member.get(a) == 2:
+            g.nx.nodes[v]["alias_of"] = at(last - 1, a)
+    for v in layer[3]:
+        d = g.nx.nodes[v]
+        for key in ("module", "name"):
+            if key in d:
+                d[key] = rename(d[key], 3, last)
+    # the reference order: copies' forward after layer 2's, their backward before it
+    order = list(graph.order)
+    fwd2 = [v for v in order if member.get(v) == 2 and nodes[v]["phase"] == "forward"]
+    bwd2 = [v for v in order if member.get(v) == 2 and nodes[v]["phase"] == "backward"]
+    out: list = []
+    for v in order:
+        out.append(v)
+        if fwd2 and v == fwd2[-1]:
+            for j in copies:
+                out.extend(at(j, u) for u in fwd2)
+        if bwd2 and v == bwd2[0]:
+            out.pop()
+            for j in reversed(copies):
+                out.extend(at(j, u) for u in bwd2)
+            out.append(v)
+    g.order = out
+    g.meta["ordered"] = [v for v in out if g[v]["op"] not in ("tangent", BACKWARD_START)
+                         and not g[v]["recomputable"] and g[v].get("group") is None]
+    g.meta["repeated"] = {"layers": count, "template": f"{parent}.2" if parent else "2", "captured": _KEPT}
+    log.info("repeat_layers: %d layers from %d captured (%d nodes)", count, _KEPT, len(g))
+    return g.validate()

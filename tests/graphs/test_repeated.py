@@ -1,0 +1,134 @@
+"""A model of alike layers captured from four of them is the model captured whole."""
+
+from __future__ import annotations
+
+import math
+
+import pytest
+import torch
+from torch import nn
+
+from graphs.capture import capture
+from graphs.module_mode import layer_blocks
+from graphs.repeated import capture_repeated, repeated_layers
+from solver.simulate import simulate
+
+LAYERS = 6
+
+
+@pytest.fixture(scope="module")
+def llama():
+    from transformers import LlamaConfig
+
+    from solver.models import hf_example_inputs, meta_model
+
+    cfg = LlamaConfig(num_hidden_layers=LAYERS, hidden_size=32, num_attention_heads=2, intermediate_size=64,
+                      vocab_size=64, use_cache=False)
+    model = meta_model(cfg, dtype="bf16")
+    return model, hf_example_inputs(model, seq_len=8, micro_batch=2)
+
+
+@pytest.fixture(scope="module")
+def both(llama):
+    model, batch = llama
+    blocks = layer_blocks(model)
+    whole = capture(model, batch, backward="loss", measure_time=False)
+    fast = capture_repeated(model, batch, blocks=blocks, capture=capture, backward="loss", measure_time=False)
+    return whole, fast
+
+
+def _per_layer(graph):
+    out = {}
+    for v, d in graph.nx.nodes(data=True):
+        key = (d.get("module") if d["kind"] == "op" else "source " + ".".join(str(d.get("name")).split(".")[:3]),
+               d["phase"], d["kind"])
+        row = out.setdefault(key, [0, 0, 0, 0.0])
+        row[0] += 1
+        row[1] += d["bytes"]
+        row[2] += d["flops"]
+        row[3] += d["time"]
+    return out
+
+
+def test_repeated_graph_has_the_whole_capture_figures(both):
+    whole, fast = both
+    assert fast is not None and fast.meta["repeated"]["layers"] == LAYERS
+    assert (len(fast), len(fast.ops), fast.nx.number_of_edges()) == (len(whole), len(whole.ops),
+                                                                    whole.nx.number_of_edges())
+    assert simulate(fast, fast.order).peak_bytes == simulate(whole, whole.order).peak_bytes
+    assert (fast.fixed_bytes, fast.grad_bytes, fast.saved_bytes()) == (whole.fixed_bytes, whole.grad_bytes,
+                                                                      whole.saved_bytes())
+    a, b = _per_layer(whole), _per_layer(fast)
+    assert set(a) == set(b)
+    assert any(k[0] == f"model.layers.{LAYERS - 2}.mlp.down_proj" for k in b)
+    for key in a:
+        assert a[key][:3] == b[key][:3], key
+        assert math.isclose(a[key][3], b[key][3], rel_tol=1e-9, abs_tol=1e-18), key
+
+
+def test_repeated_graph_prices_every_plan_as_the_whole(llama, both):
+    from solver.models import capture_module
+    from solver.policy import GraphPlanner
+
+    model, batch = llama
+    planners = [GraphPlanner(capture_module(model, batch, repeat=r), optimizer="adamw") for r in (False, True)]
+    assert [p.notes for p in planners][1] != [p.notes for p in planners][0]  # the note says so
+    plans = [["none"] * LAYERS, ["full"] * LAYERS, ["selective"] * LAYERS,
+             ["full", "none", "selective", "full", "none", "full"]]
+    for plan in plans:
+        (s0, r0), (s1, r1) = (p.evaluate(plan) for p in planners)
+        assert (r0.peak_bytes, len(s0.sequence)) == (r1.peak_bytes, len(s1.sequence)), plan
+        assert math.isclose(r0.cost, r1.cost, rel_tol=1e-9)
+    budget = (planners[0].evaluate(plans[0])[1].peak_bytes + planners[0].evaluate(plans[1])[1].peak_bytes) // 2
+    p0, p1 = (p.solve(budget) for p in planners)
+    assert (p0.actions, p0.peak_bytes, p0.extra_flops) == (p1.actions, p1.peak_bytes, p1.extra_flops)
+
+
+class _Scaled(nn.Module):
+    """Alike modules that compute differently: layer ``k`` applies tanh ``k`` times."""
+
+    def __init__(self, k: int):
+        super().__init__()
+        self.fc = nn.Linear(8, 8)
+        self.k = k
+
+    def forward(self, x):
+        x = self.fc(x)
+        for _ in range(self.k):
+            x = torch.tanh(x)
+        return x
+
+
+def test_layers_that_compute_differently_are_captured_whole():
+    net = nn.Sequential(*[_Scaled(k) for k in range(6)])
+    blocks = [str(i) for i in range(6)]
+    assert repeated_layers(net, blocks) is not None  # alike by their modules
+    assert capture_repeated(net, (torch.randn(2, 8),), blocks=blocks, capture=capture, measure_time=False) is None
+
+
+def test_layers_of_other_shapes_are_not_repeated():
+    net = nn.Sequential(*[nn.Linear(8, 8) for _ in range(3)], nn.Linear(8, 4), nn.Linear(4, 4), nn.Linear(4, 4))
+    assert repeated_layers(net, [str(i) for i in range(6)]) is None
+    assert repeated_layers(nn.Sequential(*[nn.Linear(4, 4) for _ in range(5)]), [str(i) for i in range(5)]) is None
+
+
+class _CountsLayers(nn.Module):
+    """Runs only with all of its layers (the cut model fails)."""
+
+    def __init__(self):
+        super().__init__()
+        self.layers = nn.ModuleList(nn.Linear(4, 4) for _ in range(6))
+
+    def forward(self, x):
+        if len(self.layers) != 6:
+            raise RuntimeError("needs its six layers")
+        for layer in self.layers:
+            x = layer(x)
+        return x.sum()
+
+
+def test_a_model_that_cannot_be_cut_is_captured_whole():
+    net = _CountsLayers()
+    blocks = layer_blocks(net)
+    assert repeated_layers(net, blocks) is not None
+    assert capture_repeated(net, (torch.randn(2, 4),), blocks=blocks, capture=capture, measure_time=False) is None
