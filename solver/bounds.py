@@ -685,9 +685,9 @@ def free_order_bound(graph: ComputeGraph, budget_bytes: int, *, tries: int = FRE
     Examples
     --------
     >>> from solver.synthetic import training_chain
-    >>> g = training_chain(4)
-    >>> free_order_bound(g, 7) > g.total("time")
-    True
+    >>> g = training_chain(4)  # store-all peaks at 6 B
+    >>> free_order_bound(g, 6), round(free_order_bound(g, 5), 3)
+    (12.0, 13.0)
     """
     from solver.deadline import Deadline
 

@@ -41,7 +41,7 @@ import itertools
 import logging
 import math
 from dataclasses import dataclass, field
-from typing import Hashable, Sequence
+from typing import Hashable
 
 import numpy as np
 
@@ -59,7 +59,7 @@ __all__ = ["Block", "BlockChain", "BlockOption", "block_chain", "block_options",
 log = logging.getLogger(__name__)
 
 #: Blocks with at most this many free keep/recompute choices are solved by enumeration.
-ENUMERATE_MAX = 12
+ENUMERATE_MAX = 8
 #: Kept-bytes limits at which a block's MILP is solved (points of its Pareto front).
 LEVELS = 24
 #: Memory resolution of the composition DP.
@@ -86,6 +86,13 @@ class BlockOption:
     fwd_peak, bwd_peak : int
         Peaks of the block's forward run and backward (recomputation included), the
         blocks below and the gradients still to be read not counted.
+    next_peak : int
+        Peak of computing the block's output again for the next block's backward (0
+        when the block keeps it).
+    needs_prev : bool
+        That recomputation starts from the block's input, which the block below must
+        keep.
+    keeps_output : bool
     """
 
     keep: frozenset
@@ -94,6 +101,9 @@ class BlockOption:
     cost: float
     fwd_peak: int = 0
     bwd_peak: int = 0
+    next_peak: int = 0
+    needs_prev: bool = False
+    keeps_output: bool = True
 
 
 @dataclass
@@ -116,8 +126,12 @@ class BlockChain:
     shared : frozenset
         Forward values set aside as resident for the whole step.
     grad : list of int
-        ``grad[i]``: bytes of backward values made by blocks >= i that are still to be
-        read by blocks < i (or are step outputs); ``grad[len(blocks)] = 0``.
+        ``grad[i]``: bytes of backward values made by blocks above ``i`` and read only
+        below it (or step outputs): resident through block ``i``'s backward;
+        ``grad[len(blocks)] = 0``.
+    incoming : list of list
+        ``incoming[i]``: backward values made by blocks above ``i`` whose last reader is
+        in block ``i``'s backward.
     distinct : int
         How many distinct block structures there are.
     """
@@ -125,6 +139,7 @@ class BlockChain:
     blocks: list
     shared: frozenset
     grad: list
+    incoming: list = field(default_factory=list)
     distinct: int = 0
 
     @property
@@ -245,7 +260,7 @@ def block_chain(graph: ComputeGraph, *, layers: bool = True) -> BlockChain:
     >>> from solver.synthetic import training_chain
     >>> c = block_chain(training_chain(3), layers=False)
     >>> [b.stage.forward for b in c.blocks], c.distinct
-    ([['f0'], ['f1'], ['f2', 'loss']], 2)
+    ([['f0'], ['f1'], ['f2', 'loss']], 3)
     """
     if not has_backward(graph):
         raise NoScheduleFound(f"block_dp: {graph.name or 'the graph'} has no backward; "
@@ -269,16 +284,19 @@ def block_chain(graph: ComputeGraph, *, layers: bool = True) -> BlockChain:
     stage_of_b = {v: st.index for st in stages for v in st.backward}
     L = len(stages)
     grad = [0] * (L + 1)
+    incoming: list = [[] for _ in range(L)]
     for v, s in stage_of_b.items():
         readers = [stage_of_b.get(w, s) for w in graph.op_succs(v)]
         low = -1 if graph[v].get("output", False) else min(readers, default=s)
-        for i in range(low + 1, s + 1):
+        for i in range(low + 1, s):
             grad[i] += int(graph[v]["bytes"])
+        if 0 <= low < s:
+            incoming[low].append(v)
     blocks = []
     for st in stages:
         prev = stages[st.index - 1].boundary if st.index else None
         blocks.append(Block(stage=st, signature=_signature(graph, st, prev, shared)))
-    return BlockChain(blocks=blocks, shared=frozenset(shared), grad=grad,
+    return BlockChain(blocks=blocks, shared=frozenset(shared), grad=grad, incoming=incoming,
                       distinct=len({b.signature for b in blocks}))
 
 
@@ -300,7 +318,7 @@ class _Problem:
         self.need1 = [False] * n  # read by this block's backward
         self.need2 = [False] * n  # read by the next block's backward
         self.preds = []
-        self.from_prev = [False] * n  # reads the block's input (unavailable to the next block's backward)
+        self.from_prev = [False] * n  # reads the block's input
         for i, v in enumerate(self.ops):
             self.fixed[i] = self.size[i] == 0 or v in forced or v in chain.shared
             readers = set(graph.op_succs(v))
@@ -321,7 +339,7 @@ class _Problem:
 
     def closure(self, keep: set) -> tuple[set, set, bool]:
         """What the backward computes again with ``keep`` kept: (for this block, for the
-        next block, feasible)."""
+        next block, whether the latter reads the block's input)."""
         def walk(targets):
             out, stack = set(), list(targets)
             while stack:
@@ -333,27 +351,26 @@ class _Problem:
             return out
         a = walk([i for i in range(len(self.ops)) if self.need1[i]])
         b = walk([i for i in range(len(self.ops)) if self.need2[i]])
-        ok = not any(self.from_prev[i] for i in b)
-        return a, b, ok
+        return a, b, any(self.from_prev[i] for i in b)
 
-    def cost_of(self, keep: set, times: Sequence[float] | None = None) -> tuple[float, set, bool]:
-        t = self.time if times is None else times
-        a, b, ok = self.closure(keep)
-        return sum(t[i] for i in a) + sum(t[i] for i in b), a | b, ok
+    def cost_of(self, keep: set) -> tuple[float, set, set, bool]:
+        a, b, prev = self.closure(keep)
+        return sum(self.time[i] for i in a) + sum(self.time[i] for i in b), a, b, prev
 
     def kept_bytes(self, keep: set) -> int:
         return sum(self.size[i] for i in set(keep) | {i for i in range(len(self.ops)) if self.fixed[i]})
 
 
-def _enumerate_front(p: _Problem) -> list[set]:
-    """Every keep set of the free values, reduced to its Pareto front."""
-    points = []
+def _enumerate(p: _Problem, allow_prev: bool) -> list[set]:
+    """Every keep set of the free values (those whose recomputation for the next block
+    reads the block's input only if ``allow_prev``); :func:`_undominated` reduces them
+    once their peaks are replayed."""
+    out = []
     for bits in itertools.product((0, 1), repeat=len(p.free)):
         keep = {i for i, b in zip(p.free, bits) if b}
-        cost, _, ok = p.cost_of(keep)
-        if ok:
-            points.append((p.kept_bytes(keep), cost, keep))
-    return _front(points)
+        if p.cost_of(keep)[3] == allow_prev:
+            out.append(keep)
+    return out
 
 
 def _front(points: list) -> list[set]:
@@ -366,8 +383,9 @@ def _front(points: list) -> list[set]:
     return out
 
 
-def _milp_front(p: _Problem, *, levels: int, deadline) -> tuple[list[set], bool]:
-    """The Pareto front at ``levels`` kept-bytes limits, each by an exact MILP."""
+def _milp_front(p: _Problem, *, allow_prev: bool, levels: int, deadline) -> tuple[list[set], bool]:
+    """The Pareto front at ``levels`` kept-bytes limits, each by an exact MILP (the next
+    block's recomputation may read the block's input only if ``allow_prev``)."""
     from solver.lp_backend import create_solver, solve_quietly
 
     n = len(p.ops)
@@ -378,7 +396,7 @@ def _milp_front(p: _Problem, *, levels: int, deadline) -> tuple[list[set], bool]
     s = create_solver("SCIP")
     keep = {i: s.BoolVar("") for i in p.free}
     r1 = [s.NumVar(0.0, 1.0, "") for _ in range(n)]
-    r2 = [s.NumVar(0.0, 0.0 if p.from_prev[i] else 1.0, "") for i in range(n)]
+    r2 = [s.NumVar(0.0, 1.0 if allow_prev or not p.from_prev[i] else 0.0, "") for i in range(n)]
     for i in range(n):
         k = keep.get(i)
         for r, need in ((r1, p.need1[i]), (r2, p.need2[i])):
@@ -419,8 +437,8 @@ def _milp_front(p: _Problem, *, levels: int, deadline) -> tuple[list[set], bool]
             continue
         exact = exact and status == s.OPTIMAL
         chosen = {i for i, k in keep.items() if k.solution_value() > 0.5}
-        cost, _, ok = p.cost_of(chosen)
-        if ok:
+        cost, _, _, prev = p.cost_of(chosen)
+        if prev == allow_prev:
             points.append((p.kept_bytes(chosen), cost, chosen))
     return _front(points), exact
 
@@ -450,8 +468,8 @@ def block_options(graph: ComputeGraph, chain: BlockChain, *, levels: int = LEVEL
     >>> from solver.synthetic import training_chain
     >>> g = training_chain(3)
     >>> c = block_options(g, block_chain(g))
-    >>> [len(b.options) for b in c.blocks]
-    [1, 1, 1]
+    >>> [len(b.options) for b in c.blocks]  # keep the layer's output or compute it again
+    [2, 2, 4]
     """
     from solver.deadline import Deadline
 
@@ -463,68 +481,125 @@ def block_options(graph: ComputeGraph, chain: BlockChain, *, levels: int = LEVEL
         p = _Problem(graph, chain, k, forced)
         key = (blk.signature, tuple(p.need2), tuple(p.fixed))
         if key not in fronts:
-            if len(p.free) <= ENUMERATE_MAX:
-                fronts[key] = (_enumerate_front(p), True)
-            else:
-                fronts[key] = _milp_front(p, levels=levels, deadline=deadline)
-            if not fronts[key][0]:
-                fronts[key] = ([set(p.free)], fronts[key][1])
+            keeps, exact = [], True
+            for allow_prev in ((False, True) if any(p.need2) and any(p.from_prev) else (False,)):
+                if len(p.free) <= ENUMERATE_MAX:
+                    keeps += _enumerate(p, allow_prev)
+                else:
+                    front, proven = _milp_front(p, allow_prev=allow_prev, levels=levels, deadline=deadline)
+                    keeps += front
+                    exact = exact and proven
+            fronts[key] = (keeps or [set(p.free)], exact)
         keeps, exact = fronts[key]
         blk.exact = exact
         st = blk.stage
         blk.options = []
+        own_bwd = set(st.backward)
+        outgoing = {v for v in st.backward
+                    if nodes[v].get("output", False) or any(w not in own_bwd for w in graph.op_succs(v))}
         for keep in keeps:
-            cost, again, ok = p.cost_of(keep)
+            cost, own, nxt, prev = p.cost_of(keep)
             kept = {p.ops[i] for i in set(keep) | {i for i in range(len(p.ops)) if p.fixed[i]}}
             fwd_peak = _local_peak(graph, st.forward, [], kept | {st.boundary})
-            redo = [p.ops[i] for i in sorted(again)]
             kept_in = [v for v in kept if nodes[v]["bytes"]]
-            bwd_peak = _local_peak(graph, redo + list(st.backward), kept_in, set())
-            blk.options.append(BlockOption(keep=frozenset(kept), again=frozenset(p.ops[i] for i in again),
-                                           kept_bytes=p.kept_bytes(keep), cost=cost,
-                                           fwd_peak=int(fwd_peak), bwd_peak=int(bwd_peak)))
+            bwd_peak = _local_peak(graph, _just_in_time(graph, [p.ops[i] for i in sorted(own)], st.backward),
+                                   kept_in + chain.incoming[k], outgoing)
+            redo_next = [p.ops[i] for i in sorted(nxt)]
+            next_peak = _local_peak(graph, redo_next, kept_in, {st.boundary}) if redo_next else 0
+            blk.options.append(BlockOption(keep=frozenset(kept), again=frozenset(p.ops[i] for i in own | nxt),
+                                           kept_bytes=p.kept_bytes(keep), cost=cost, fwd_peak=int(fwd_peak),
+                                           bwd_peak=int(bwd_peak), next_peak=int(next_peak), needs_prev=prev,
+                                           keeps_output=st.boundary in kept))
+        if len(p.free) <= ENUMERATE_MAX:
+            blk.options = _undominated(blk.options)
+        # on ties the DP keeps the first: the options that keep their output (the best
+        # modelled) come first
+        blk.options.sort(key=lambda o: (not o.keeps_output, o.needs_prev))
     return chain
+
+
+def _just_in_time(graph: ComputeGraph, redo: list, backward: list) -> list:
+    """The block's backward with each recomputation (``redo``, in forward order) right
+    before the first backward op that needs it, as :func:`~solver.plans.sequence_from_keep`
+    places them."""
+    pos = {v: i for i, v in enumerate(redo)}
+    placed: set = set()
+    out: list = []
+
+    def bring(v) -> None:
+        todo, stack = set(), [v]
+        while stack:
+            u = stack.pop()
+            if u in pos and u not in placed and u not in todo:
+                todo.add(u)
+                stack.extend(graph.op_preds(u))
+        for u in sorted(todo, key=pos.get):
+            placed.add(u)
+            out.append(u)
+
+    for b in backward:
+        for u in graph.op_preds(b):
+            bring(u)
+        out.append(b)
+    return out
+
+
+def _undominated(options: list) -> list:
+    """The options that no other beats or equals on every figure the DP reads."""
+    def figures(o):
+        return (o.kept_bytes, o.cost, o.fwd_peak, o.bwd_peak, o.next_peak, o.needs_prev, not o.keeps_output)
+
+    out = []
+    for o in options:
+        f = figures(o)
+        if not any(all(a <= b for a, b in zip(figures(q), f)) and figures(q) != f for q in options):
+            if all(figures(q) != f for q in out):
+                out.append(o)
+    return out
 
 
 # ------------------------------------------------------------------ composition
 def _compose(chain: BlockChain, room: int, slots: int) -> list | None:
     """The options (one per block) of least total cost whose modelled peaks fit ``room``,
-    or None."""
+    or None. State: the bytes the blocks below keep (in slots, rounded up) and whether
+    the block below keeps its output."""
     unit = max(1, math.ceil(room / slots))
     top = room // unit
     L = len(chain.blocks)
-    f = np.full(top + 1, np.inf)
-    f[0] = 0.0
+    f = np.full((2, top + 1), np.inf)
+    f[1, 0] = 0.0  # nothing below the first block: its input is always there
+    cols = np.arange(top + 1)
     choice = []
     for k, blk in enumerate(chain.blocks):
-        g = np.full(top + 1, np.inf)
-        arg = np.full((top + 1, 2), -1, dtype=np.int64)
-        cols = np.arange(top + 1)
+        g = np.full((2, top + 1), np.inf)
+        arg = np.full((2, top + 1, 3), -1, dtype=np.int64)
         for o, opt in enumerate(blk.options):
             kept = math.ceil(opt.kept_bytes / unit)
-            # the prefix m (in slots, rounded up) must leave room for both peaks
-            cap = min(room - opt.fwd_peak, room - chain.grad[k + 1] - opt.bwd_peak)
-            if cap < 0:
-                continue
-            mmax = min(top - kept, cap // unit)
+            # the prefix must leave room for the forward run, the backward and the
+            # recomputation of the output for the next block's backward
+            cap = min(room - opt.fwd_peak, room - chain.grad[k] - opt.bwd_peak,
+                      room - chain.grad[k] - opt.next_peak - opt.kept_bytes)
+            mmax = min(top - kept, cap // unit) if cap >= 0 else -1
             if mmax < 0:
                 continue
-            src = f[:mmax + 1] + opt.cost
-            dst = cols[:mmax + 1] + kept
-            better = src < g[dst]
-            g[dst[better]] = src[better]
-            arg[dst[better], 0] = o
-            arg[dst[better], 1] = cols[:mmax + 1][better]
+            nb = int(opt.keeps_output)
+            for bit in ((1,) if opt.needs_prev else (0, 1)):
+                src = f[bit, :mmax + 1] + opt.cost
+                dst = cols[:mmax + 1] + kept
+                better = src < g[nb, dst]
+                g[nb, dst[better]] = src[better]
+                arg[nb, dst[better]] = np.stack([np.full(better.sum(), o), cols[:mmax + 1][better],
+                                                 np.full(better.sum(), bit)], axis=1)
         choice.append(arg)
         f = g
     if not np.isfinite(f).any():
         return None
-    m = int(np.argmin(f))
+    bit, m = np.unravel_index(int(np.argmin(f)), f.shape)
     picks = [0] * L
     for k in reversed(range(L)):
-        o, prev = choice[k][m]
+        o, prev, pbit = choice[k][bit, m]
         picks[k] = int(o)
-        m = int(prev)
+        m, bit = int(prev), int(pbit)
     return picks
 
 
@@ -562,12 +637,12 @@ def _search(graph: ComputeGraph, chain: BlockChain, budget: int, slots: int, dea
         return r
 
     limit = room
-    for _ in range(24):
+    for _ in range(32):
         r = attempt(limit)
         if r is None or (r.valid and r.peak_bytes <= budget) or deadline.expired():
             break
         over = (r.peak_bytes - budget) if r.valid else limit // 50
-        limit -= max(int(over), limit // 200, 1)
+        limit -= max(int(over) // 2, limit // 1000, 1)
         if limit <= 0:
             break
     if best is not None:
