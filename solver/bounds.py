@@ -59,24 +59,24 @@ def _reference(graph: ComputeGraph) -> tuple[list, dict, list, list]:
     return ops, index, size, last_read
 
 
-def _sweep(graph: ComputeGraph, ops: list, index: dict, last_read: list):
-    """Each step ``t`` of the reference order with its op inputs and the values computed
-    before ``t`` and read after it (``live``, a list the caller must not keep)."""
-    live: list[int] = []
-    for t, v in enumerate(ops):
-        yield t, {index[u] for u in graph.op_preds(v)}, live
-        live = [i for i in live if last_read[i] > t + 1]
-        if last_read[t] > t + 1:
-            live.append(t)
-
-
 def _excess(graph: ComputeGraph, ops: list, index: dict, size: list, last_read: list, room: int) -> list[int]:
-    """Bytes by which each step of the reference order, run store-all, is over ``room``."""
+    """Bytes by which each step of the reference order, run store-all, is over ``room``.
+
+    The values live across step ``t`` (computed before, read after) are summed with a
+    difference array; the inputs read for the last time at ``t`` are added. O(ops + edges)."""
     nodes = graph.nx.nodes
+    n = len(ops)
+    delta = [0] * (n + 2)
+    for i in range(n):
+        if last_read[i] > i + 1:  # live over steps i+1 .. last_read[i]-1
+            delta[i + 1] += size[i]
+            delta[last_read[i]] -= size[i]
     out = []
-    for t, inputs, live in _sweep(graph, ops, index, last_read):
-        need = size[t] + _least_workspace(nodes[ops[t]]) + sum(size[i] for i in inputs | set(live))
-        out.append(need - room)
+    across = 0
+    for t, v in enumerate(ops):
+        across += delta[t]
+        last = sum(size[i] for i in {index[u] for u in graph.op_preds(v)} if last_read[i] <= t)
+        out.append(size[t] + _least_workspace(nodes[v]) + across + last - room)
     return out
 
 
@@ -112,34 +112,39 @@ def forced_recompute_bound(graph: ComputeGraph, budget_bytes: int) -> float:
     >>> forced_recompute_bound(g, 6)
     inf
     """
+    import numpy as np
+
     ops, index, size, last_read = _reference(graph)
     nodes = graph.nx.nodes
     base = float(sum(nodes[v]["time"] for v in ops))
-    cost = [_least_time(nodes[v]) for v in ops]
-    stays = [not nodes[v].get("recomputable", True) for v in ops]
     room = int(budget_bytes) - graph.fixed_bytes
+    excess = _excess(graph, ops, index, size, last_read, room)
+    # the values that may go, cheapest per byte first; at each step over the budget the
+    # live ones (computed before, read after, not an input) are taken in that order
+    free = [i for i, v in enumerate(ops) if nodes[v].get("recomputable", True) and size[i] > 0]
+    free.sort(key=lambda i: _least_time(nodes[ops[i]]) / size[i])
+    pos = np.array(free, dtype=np.int64)
+    read = np.array([last_read[i] for i in free], dtype=np.int64)
+    nbytes = np.array([size[i] for i in free], dtype=np.float64)
+    times = np.array([_least_time(nodes[ops[i]]) for i in free], dtype=np.float64)
+    where = {i: k for k, i in enumerate(free)}
     worst = 0.0
-    for t, inputs, live in _sweep(graph, ops, index, last_read):
-        need = size[t] + _least_workspace(nodes[ops[t]]) + sum(size[i] for i in inputs)
-        droppable = []
-        for i in live:
-            if i in inputs:
-                continue
-            need += size[i]
-            if not stays[i] and size[i] > 0:
-                droppable.append(i)
-        excess = need - room
-        if excess > 0:
-            if sum(size[i] for i in droppable) < excess:
-                return math.inf
-            amount = 0.0
-            for i in sorted(droppable, key=lambda i: cost[i] / size[i]):
-                take = min(size[i], excess)
-                amount += cost[i] * take / size[i]
-                excess -= take
-                if excess <= 0:
-                    break
-            worst = max(worst, amount)
+    for t, e in enumerate(excess):
+        if e <= 0:
+            continue
+        mask = (pos < t) & (read > t)
+        for u in graph.op_preds(ops[t]):
+            k = where.get(index[u])
+            if k is not None:
+                mask[k] = False
+        have = np.cumsum(nbytes[mask])
+        if not have.size or have[-1] < e:
+            return math.inf
+        k = int(np.searchsorted(have, e))  # values 0..k-1 go whole, a part of value k
+        spent = times[mask]
+        before = have[k - 1] if k else 0.0
+        amount = float(spent[:k].sum()) + float(spent[k]) * (e - before) / float(nbytes[mask][k])
+        worst = max(worst, amount)
     # a hair below, so that float rounding never lifts it above a schedule's cost
     return base + max(0.0, worst * (1 - 1e-9))
 
