@@ -267,10 +267,14 @@ def block_chain(graph: ComputeGraph, *, layers: bool = True) -> BlockChain:
                               "use a general method such as 'eviction' or 'order_search'")
     fwd = [v for v in graph.order if graph.is_op(v) and graph[v]["phase"] == "forward"]
     shared = _shared_values(graph, fwd)
+    # output gradients (``op="tangent"``) read the step's outputs only to come after them
+    # (updated buffers, say); the outputs stay resident anyway, so those reads tie no
+    # block to another
+    tied = [(u, w) for w in graph.ops if graph[w].get("op") == "tangent" for u in graph.op_preds(w)]
     view = graph
-    if shared:
+    if shared or tied:
         g = graph.nx.copy()
-        g.remove_edges_from([(u, w) for u in shared for w in list(graph.nx.successors(u))])
+        g.remove_edges_from([(u, w) for u in shared for w in list(graph.nx.successors(u))] + tied)
         view = ComputeGraph(g, name=graph.name, order=list(graph.order), meta=dict(graph.meta))
     stages = forward_stages(view)  # NoScheduleFound when forward reads backward values
     if len(stages) < 2:
@@ -645,11 +649,10 @@ def _search(graph: ComputeGraph, chain: BlockChain, budget: int, slots: int, dea
         limit -= max(int(over) // 2, limit // 1000, 1)
         if limit <= 0:
             break
-    if best is not None:
-        for j in range(1, 9):
-            if deadline.expired():
-                break
-            attempt(int(room * (1 + 0.04 * j)))
+    for j in range(1, 9):  # the model is conservative: higher limits may fit too
+        if deadline.expired():
+            break
+        attempt(int(room * (1 + 0.04 * j)))
     return best, best_peak, len(tried)
 
 
@@ -697,11 +700,13 @@ def block_dp(graph: ComputeGraph, budget_bytes: int, *, time_limit: float | None
     deadline = Deadline(time_limit)
     best, best_peak, tried, chains = None, None, 0, []
     for layers in (True, False):
+        if chains and time_limit is not None and deadline.left() < 0.5 * float(time_limit):
+            break  # the per-stage chain only when time is left
         chain = block_chain(graph, layers=layers)
         if chains and [b.stage.forward for b in chain.blocks] == [b.stage.forward for b in chains[0].blocks]:
             continue
         chains.append(chain)
-        share = None if time_limit is None else max(0.0, 0.5 * deadline.left())
+        share = None if time_limit is None else max(0.0, 0.4 * deadline.left())
         block_options(graph, chain, levels=levels, time_limit=share)
         found, peak, n = _search(graph, chain, int(budget_bytes), slots, deadline)
         tried += n
