@@ -146,6 +146,14 @@ class BlockChain:
     def stages(self) -> list:
         return [b.stage for b in self.blocks]
 
+    @property
+    def repeats(self) -> int:
+        """How many blocks share the most common structure."""
+        counts: dict = {}
+        for b in self.blocks:
+            counts[b.signature] = counts.get(b.signature, 0) + 1
+        return max(counts.values(), default=0)
+
 
 def _cut_count(fwd: list, succs: dict, pos: dict, shared: set) -> int:
     cuts, reach = 0, -1
@@ -658,7 +666,7 @@ def _search(graph: ComputeGraph, chain: BlockChain, budget: int, slots: int, dea
 
 @register("block_dp", family="large", order="fixed")
 def block_dp(graph: ComputeGraph, budget_bytes: int, *, time_limit: float | None = None,
-             levels: int = LEVELS, slots: int = SLOTS, **_) -> Schedule:
+             levels: int = LEVELS, slots: int = SLOTS, min_repeats: int = 0, **_) -> Schedule:
     """Solve each distinct layer block exactly, compose the blocks by a DP (module docstring).
 
     Parameters
@@ -673,6 +681,9 @@ def block_dp(graph: ComputeGraph, budget_bytes: int, *, time_limit: float | None
         Kept-bytes limits per block MILP (points of each block's Pareto front).
     slots : int
         Memory resolution of the composition DP.
+    min_repeats : int
+        Refuse (``NoScheduleFound``) a chain whose most common block structure repeats
+        fewer times: where the layers are few, the heuristics tend to do better.
 
     Returns
     -------
@@ -703,6 +714,9 @@ def block_dp(graph: ComputeGraph, budget_bytes: int, *, time_limit: float | None
         if chains and time_limit is not None and deadline.left() < 0.5 * float(time_limit):
             break  # the per-stage chain only when time is left
         chain = block_chain(graph, layers=layers)
+        if not chains and chain.repeats < min_repeats:
+            raise NoScheduleFound(f"block_dp: no block of {graph.name or 'the graph'} repeats {min_repeats} "
+                                  f"times (at most {chain.repeats}); pass min_repeats=0 to run it anyway")
         if chains and [b.stage.forward for b in chain.blocks] == [b.stage.forward for b in chains[0].blocks]:
             continue
         chains.append(chain)
