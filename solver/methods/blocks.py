@@ -10,8 +10,8 @@ The family searched: every block keeps a subset of its forward values for its ba
 a value it does not keep is computed again, with its missing ancestors from the nearest
 kept ones, right before the first backward op of the block that reads it
 (:func:`solver.plans.sequence_from_keep` with one region per block). A block may also
-drop its output (the next block's input), provided the next block's backward can compute
-it again from values the block keeps.
+drop its output (the next block's input): the next block's backward computes it again,
+from values the block keeps or from the block's input when the block below keeps that.
 
 1. **Distinct blocks.** Blocks with the same structure (op names, bytes and edges, in
    order; the repeated layers of a model) are solved once.
@@ -21,10 +21,12 @@ it again from values the block keeps.
    choices. Each point of the front is one option of the block, with its forward and
    backward peaks replayed under the simulator's rules.
 3. **Composition.** A DP over the chain of blocks picks one option per block: state the
-   bytes kept by the blocks below (in slots), constraints the forward peak of each block
-   and the peak of its backward (kept bytes below, the gradients still to be read, the
-   block's own replay), cost the sum of the options' recomputation. It is exact for that
-   additive model.
+   bytes kept by the blocks below (in slots) and whether the block below keeps its
+   output; constraints the forward peak of each block and the peak of its backward
+   (kept bytes below, the gradients passing through, the block's own replay with its
+   incoming gradients and just-in-time recomputation); cost the sum of the options'
+   recomputation. It is exact for that additive model; on small layered chains it
+   matches the enumerated optimum of the family.
 4. **The judge.** The sequences of the DP's best answers at the budget and at a few
    lower internal limits are graded by :func:`solver.simulate`; the cheapest that fits
    wins. The method's own cost is never trusted.
