@@ -125,7 +125,7 @@ ZOO = {
     "U-Net w16 64px b8 depth 3": ("unet", dict(batch=8, width=16, size=64, depth=3)),
 }
 ZOO_FRACTIONS = (0.7, 0.5, 0.3)
-ZOO_METHODS = ("auto", "eviction", "lp_eviction", "hierarchical", "chain_dp", "checkmate_milp", "cpsat")
+ZOO_METHODS = ("auto", "eviction", "lp_eviction", "hierarchical", "chain_dp", "block_dp", "checkmate_milp", "cpsat")
 
 
 def zoo_graphs(only: str | None = None):
@@ -200,8 +200,8 @@ def markdown(rows: list[dict]) -> str:
             extra, pb, gap = r["status"], "—", "—"
         method = r["method"] if r["method"] != "auto" or "picked" not in r else r["picked"]
         first = "—" if r.get("first_schedule_s") is None else f"{r['first_schedule_s']:.2f}"
-        if r.get("bound_scope") == "fixed order" and gap != "—":
-            gap += " (fixed order)"
+        if r.get("bound_scope") in ("fixed order", "free order") and gap != "—":
+            gap += f" ({r['bound_scope']})"
         out.append(f"| {r['graph'][:30]} | {r['fraction']:.1f}x | {method} | {r['order']} | {extra} | {pb} | "
                    f"{r['seconds']:.2f} | {first} | {gap} | {r['moccasin']} |")
     return "\n".join(out) + "\n"

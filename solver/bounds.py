@@ -28,7 +28,8 @@ import math
 
 from graphs import ComputeGraph
 
-__all__ = ["forced_recompute_bound", "stage_lp_bound", "fixed_order_bound", "worst_step", "STAGES", "TRIES"]
+__all__ = ["forced_recompute_bound", "stage_lp_bound", "fixed_order_bound", "worst_step", "free_order_bound",
+           "free_stage_lp_bound", "STAGES", "TRIES", "FREE_TRIES"]
 
 
 def _least_time(d: dict) -> float:
@@ -58,24 +59,24 @@ def _reference(graph: ComputeGraph) -> tuple[list, dict, list, list]:
     return ops, index, size, last_read
 
 
-def _sweep(graph: ComputeGraph, ops: list, index: dict, last_read: list):
-    """Each step ``t`` of the reference order with its op inputs and the values computed
-    before ``t`` and read after it (``live``, a list the caller must not keep)."""
-    live: list[int] = []
-    for t, v in enumerate(ops):
-        yield t, {index[u] for u in graph.op_preds(v)}, live
-        live = [i for i in live if last_read[i] > t + 1]
-        if last_read[t] > t + 1:
-            live.append(t)
-
-
 def _excess(graph: ComputeGraph, ops: list, index: dict, size: list, last_read: list, room: int) -> list[int]:
-    """Bytes by which each step of the reference order, run store-all, is over ``room``."""
+    """Bytes by which each step of the reference order, run store-all, is over ``room``.
+
+    The values live across step ``t`` (computed before, read after) are summed with a
+    difference array; the inputs read for the last time at ``t`` are added. O(ops + edges)."""
     nodes = graph.nx.nodes
+    n = len(ops)
+    delta = [0] * (n + 2)
+    for i in range(n):
+        if last_read[i] > i + 1:  # live over steps i+1 .. last_read[i]-1
+            delta[i + 1] += size[i]
+            delta[last_read[i]] -= size[i]
     out = []
-    for t, inputs, live in _sweep(graph, ops, index, last_read):
-        need = size[t] + _least_workspace(nodes[ops[t]]) + sum(size[i] for i in inputs | set(live))
-        out.append(need - room)
+    across = 0
+    for t, v in enumerate(ops):
+        across += delta[t]
+        last = sum(size[i] for i in {index[u] for u in graph.op_preds(v)} if last_read[i] <= t)
+        out.append(size[t] + _least_workspace(nodes[v]) + across + last - room)
     return out
 
 
@@ -111,34 +112,39 @@ def forced_recompute_bound(graph: ComputeGraph, budget_bytes: int) -> float:
     >>> forced_recompute_bound(g, 6)
     inf
     """
+    import numpy as np
+
     ops, index, size, last_read = _reference(graph)
     nodes = graph.nx.nodes
     base = float(sum(nodes[v]["time"] for v in ops))
-    cost = [_least_time(nodes[v]) for v in ops]
-    stays = [not nodes[v].get("recomputable", True) for v in ops]
     room = int(budget_bytes) - graph.fixed_bytes
+    excess = _excess(graph, ops, index, size, last_read, room)
+    # the values that may go, cheapest per byte first; at each step over the budget the
+    # live ones (computed before, read after, not an input) are taken in that order
+    free = [i for i, v in enumerate(ops) if nodes[v].get("recomputable", True) and size[i] > 0]
+    free.sort(key=lambda i: _least_time(nodes[ops[i]]) / size[i])
+    pos = np.array(free, dtype=np.int64)
+    read = np.array([last_read[i] for i in free], dtype=np.int64)
+    nbytes = np.array([size[i] for i in free], dtype=np.float64)
+    times = np.array([_least_time(nodes[ops[i]]) for i in free], dtype=np.float64)
+    where = {i: k for k, i in enumerate(free)}
     worst = 0.0
-    for t, inputs, live in _sweep(graph, ops, index, last_read):
-        need = size[t] + _least_workspace(nodes[ops[t]]) + sum(size[i] for i in inputs)
-        droppable = []
-        for i in live:
-            if i in inputs:
-                continue
-            need += size[i]
-            if not stays[i] and size[i] > 0:
-                droppable.append(i)
-        excess = need - room
-        if excess > 0:
-            if sum(size[i] for i in droppable) < excess:
-                return math.inf
-            amount = 0.0
-            for i in sorted(droppable, key=lambda i: cost[i] / size[i]):
-                take = min(size[i], excess)
-                amount += cost[i] * take / size[i]
-                excess -= take
-                if excess <= 0:
-                    break
-            worst = max(worst, amount)
+    for t, e in enumerate(excess):
+        if e <= 0:
+            continue
+        mask = (pos < t) & (read > t)
+        for u in graph.op_preds(ops[t]):
+            k = where.get(index[u])
+            if k is not None:
+                mask[k] = False
+        have = np.cumsum(nbytes[mask])
+        if not have.size or have[-1] < e:
+            return math.inf
+        k = int(np.searchsorted(have, e))  # values 0..k-1 go whole, a part of value k
+        spent = times[mask]
+        before = have[k - 1] if k else 0.0
+        amount = float(spent[:k].sum()) + float(spent[k]) * (e - before) / float(nbytes[mask][k])
+        worst = max(worst, amount)
     # a hair below, so that float rounding never lifts it above a schedule's cost
     return base + max(0.0, worst * (1 - 1e-9))
 
@@ -242,7 +248,7 @@ def stage_lp_bound(graph: ComputeGraph, budget_bytes: int, *, stages: int = STAG
     >>> round(stage_lp_bound(g, 7), 3)
     10.0
     """
-    from solver.deadline import Deadline, OutOfTime
+    from solver.deadline import Deadline
 
     deadline = Deadline(time_limit)
     ops, index, size, last_read = _reference(graph)
@@ -251,9 +257,6 @@ def stage_lp_bound(graph: ComputeGraph, budget_bytes: int, *, stages: int = STAG
     base = float(sum(nodes[v]["time"] for v in ops))
     if n == 0:
         return base
-    cost = [float(nodes[v]["time"]) for v in ops]
-    can_redo = [bool(nodes[v].get("recomputable", True)) for v in ops]
-    preds = [sorted({index[u] for u in graph.op_preds(v)}) for v in ops]
     readers = [sorted(index[w] for w in graph.op_succs(v)) for v in ops]
     in_group = [nodes[v].get("group") is not None for v in ops]
     room = int(budget_bytes) - graph.fixed_bytes
@@ -261,19 +264,10 @@ def stage_lp_bound(graph: ComputeGraph, budget_bytes: int, *, stages: int = STAG
         excess = _excess(graph, ops, index, size, last_read, room)
         marks = _pick_boundaries(excess, [not x for x in in_group], stages)
     else:
-        marks = []
-        for v in boundaries:
-            if v not in index:
-                raise ValueError(f"boundary {v!r} is not an op of {graph.name or 'the graph'}")
-            if in_group[index[v]]:
-                raise ValueError(f"boundary {v!r} is a projection of a multi-output op; pick another op")
-            marks.append(index[v])
-        marks = sorted(set(marks))
+        marks = sorted(set(_boundary_indices(graph, boundaries, index, in_group)))
     if not marks:
         return base
     m = len(marks)
-    groups = _groups(graph, ops)
-    group_of = {i: g for g, (members, _) in groups.items() for i in members}
 
     def interval(r: int) -> int:
         """The interval ``k`` (``t_k < r <= t_{k+1}``) of the first computation of ``r``
@@ -287,8 +281,64 @@ def stage_lp_bound(graph: ComputeGraph, budget_bytes: int, *, stages: int = STAG
                 hi = mid - 1
         return lo
 
+    def required(i: int, k: int):
+        t = marks[k]
+        if last_read[i] <= t:
+            return None
+        r = next((w for w in readers[i] if w > t), n)
+        return interval(r) if r < n else m - 1
+
+    rule = _Rule(candidates=lambda k: range(marks[k]), before=lambda i, k: i < marks[k], required=required,
+                 may_first=lambda i, k: i > marks[0] and interval(i) == k)
+    return _relaxation(graph, budget_bytes, ops, index, size, marks, rule, deadline, kept)
+
+
+class _Rule:
+    """What one order freedom lets the stage relaxation assume, per boundary ``k``:
+
+    * ``candidates(k)``: the values that are surely computed before boundary ``k``;
+    * ``before(i, k)``: value ``i`` is surely computed before boundary ``k``;
+    * ``required(i, k)``: None, or the last interval in which a copy of ``i`` (surely
+      computed before boundary ``k``) must be made, when not live at ``k``, because an
+      op whose first computation surely comes after ``k`` reads it by then;
+    * ``may_first(i, k)``: the first computation of ``i`` may fall in interval ``k``.
+    """
+
+    def __init__(self, *, candidates, before, required, may_first):
+        self.candidates = candidates
+        self.before = before
+        self.required = required
+        self.may_first = may_first
+
+
+def _boundary_indices(graph: ComputeGraph, boundaries, index: dict, in_group: list) -> list[int]:
+    out = []
+    for v in boundaries:
+        if v not in index:
+            raise ValueError(f"boundary {v!r} is not an op of {graph.name or 'the graph'}")
+        if in_group[index[v]]:
+            raise ValueError(f"boundary {v!r} is a projection of a multi-output op; pick another op")
+        out.append(index[v])
+    return out
+
+
+def _relaxation(graph: ComputeGraph, budget_bytes: int, ops: list, index: dict, size: list, marks: list,
+                rule: _Rule, deadline, kept: dict | None) -> float | None:
+    """The LP of :func:`stage_lp_bound` at the boundaries ``marks`` (op indices, in the
+    order of their first computations), with what the order freedom allows from ``rule``."""
+    from solver.deadline import OutOfTime
     from solver.lp_backend import create_solver, solve_quietly
 
+    nodes = graph.nx.nodes
+    n = len(ops)
+    m = len(marks)
+    base = float(sum(nodes[v]["time"] for v in ops))
+    cost = [float(nodes[v]["time"]) for v in ops]
+    can_redo = [bool(nodes[v].get("recomputable", True)) for v in ops]
+    preds = [sorted({index[u] for u in graph.op_preds(v)}) for v in ops]
+    room = int(budget_bytes) - graph.fixed_bytes
+    groups = _groups(graph, ops)
+    group_of = {i: g for g, (members, _) in groups.items() for i in members}
     inputs = [set(preds[t]) for t in marks]
     try:
         lp = create_solver("GLOP")
@@ -330,35 +380,34 @@ def stage_lp_bound(graph: ComputeGraph, budget_bytes: int, *, stages: int = STAG
                 elif x is not None and not isinstance(x, float):
                     c.SetCoefficient(x, 1.0)
 
-        for k, t in enumerate(marks):
+        for k in range(m):
             deadline.check("building the stage LP")
-            for i in range(t):
-                if size[i] == 0 or i in inputs[k] or last_read[i] <= t:
+            for i in rule.candidates(k):
+                if size[i] == 0 or i in inputs[k]:
                     continue
-                # needed after t_k: live now, or computed again before its next read
-                r = next((w for w in readers[i] if w > t), n)
-                terms = [live(i, k)]
-                for k2 in range(k, interval(r) + 1 if r < n else m):
-                    terms.append(again(i, k2))
-                at_least(terms, 1.0)
+                last = rule.required(i, k)
+                if last is None:
+                    continue
+                # needed after t_k: live now, or computed again before that read
+                at_least([live(i, k)] + [again(i, k2) for k2 in range(k, last + 1)], 1.0)
         while todo:
             deadline.check("building the stage LP")
             what, i, k = todo.pop()
             if what == "keep":
-                # live at t_k: live at t_{k-1} or computed in between (unless first computed then)
-                if k == 0 or i >= marks[k - 1]:
+                # live at t_k: live at t_{k-1} or computed in between (unless maybe first computed then)
+                if k == 0 or not rule.before(i, k - 1):
                     continue
                 at_least([live(i, k - 1), again(i, k - 1), (keep[(i, k)], -1.0)], 0.0)
             else:
                 # computed again in interval k: each input live at t_k or computed again in
-                # interval k too (an input first computed after t_k needs nothing)
+                # interval k too (an input maybe first computed after t_k needs nothing)
                 q = redo[(i, k)]
                 for j in preds[i]:
-                    if j >= marks[k]:
+                    if not rule.before(j, k):
                         continue
                     at_least([live(j, k), again(j, k), (q, -1.0)], 0.0)
         for k, t in enumerate(marks):
-            need = size[t] + int(nodes[ops[t]].get("workspace", 0)) + sum(size[i] for i in inputs[k])
+            need = size[t] + _least_workspace(nodes[ops[t]]) + sum(size[i] for i in inputs[k])
             if need > room:
                 return math.inf
             memory = lp.Constraint(-lp.infinity(), (room - need) * scale)
@@ -367,15 +416,14 @@ def stage_lp_bound(graph: ComputeGraph, budget_bytes: int, *, stages: int = STAG
                     memory.SetCoefficient(var, size[i] * scale)
         # objective: the time of what is computed again
         objective = lp.Objective()
-        first_in = {g: {interval(i) for i in members if i > marks[0]} for g, (members, _) in groups.items()}
         run: dict = {}
         for (i, k), q in redo.items():
             g = group_of.get(i)
             if g is None:
                 objective.SetCoefficient(q, cost[i])
                 continue
-            if k in first_in[g]:
-                continue  # a run of the op happens in this interval anyway
+            if any(rule.may_first(j, k) for j in groups[g][0]):
+                continue  # a run of the op may happen in this interval anyway
             r = run.get((g, k))
             if r is None:
                 r = run[(g, k)] = lp.NumVar(0.0, 1.0, "")
@@ -400,6 +448,7 @@ def stage_lp_bound(graph: ComputeGraph, budget_bytes: int, *, stages: int = STAG
     shortfall = sum(min(0.0, gt - sum(cost[i] for i in members)) for members, gt in groups.values())
     extra = max(0.0, objective.Value() * (1 - 1e-6) - 1e-12 * base) + shortfall
     return max(base, base + extra)
+
 
 
 #: Single-boundary LPs that :func:`fixed_order_bound` tries by default.
@@ -462,6 +511,225 @@ def fixed_order_bound(graph: ComputeGraph, budget_bytes: int, *, tries: int = TR
             break
         lb = stage_lp_bound(graph, budget_bytes, boundaries=[ops[t]],
                             time_limit=None if time_limit is None else max(0.0, deadline.left()))
+        if lb is not None and lb > best:
+            best = lb
+            if math.isinf(best):
+                break
+    return best
+
+
+# ------------------------------------------------------------------ free order
+#: Boundaries that :func:`free_order_bound` tries by default (single ones, then a chain).
+FREE_TRIES = 4
+#: Steps of the reference order most over the budget whose op is scored as a boundary.
+FREE_CANDIDATES = 32
+
+
+def _ancestry(graph: ComputeGraph, ops: list, index: dict) -> tuple[list[int], list[int]]:
+    """Strict op ancestors and descendants of every op, as bit masks over op indices."""
+    n = len(ops)
+    preds = [[index[u] for u in graph.op_preds(v)] for v in ops]
+    anc = [0] * n
+    for i in range(n):  # the reference order is topological
+        a = 0
+        for j in preds[i]:
+            a |= anc[j] | (1 << j)
+        anc[i] = a
+    desc = [0] * n
+    for i in reversed(range(n)):
+        for j in preds[i]:
+            desc[j] |= desc[i] | (1 << i)
+    return anc, desc
+
+
+def _bits(mask: int) -> list[int]:
+    out = []
+    while mask:
+        low = mask & -mask
+        out.append(low.bit_length() - 1)
+        mask ^= low
+    return out
+
+
+class _Ancestry:
+    """The order-free facts about first computations that :func:`free_stage_lp_bound`
+    uses: an op's ancestors run first before it, its descendants after."""
+
+    def __init__(self, graph: ComputeGraph):
+        self.ops, self.index, self.size, _ = _reference(graph)
+        nodes = graph.nx.nodes
+        self.anc, self.desc = _ancestry(graph, self.ops, self.index)
+        self.readers = [[self.index[w] for w in graph.op_succs(v)] for v in self.ops]
+        self.output = [bool(nodes[v].get("output", False)) for v in self.ops]
+        self.in_group = [nodes[v].get("group") is not None for v in self.ops]
+
+    def required(self, c: int) -> list[int]:
+        """Values surely computed before ``c`` and surely read after it (or outputs)."""
+        d = self.desc[c]
+        return [i for i in _bits(self.anc[c])
+                if self.output[i] or any((d >> w) & 1 for w in self.readers[i])]
+
+    def rule(self, marks: list[int]) -> _Rule:
+        m = len(marks)
+        anc, desc = self.anc, self.desc
+        cand = [_bits(anc[c]) for c in marks]
+
+        def deadline_of(w: int, k: int) -> int:
+            for k2 in range(k, m - 1):
+                c = marks[k2 + 1]
+                if w == c or (anc[c] >> w) & 1:
+                    return k2
+            return m - 1
+
+        def required(i: int, k: int):
+            if self.output[i]:
+                return m - 1
+            d = desc[marks[k]]
+            last = None
+            for w in self.readers[i]:
+                if (d >> w) & 1:
+                    j = deadline_of(w, k)
+                    last = j if last is None else min(last, j)
+            return last
+
+        return _Rule(candidates=lambda k: cand[k], before=lambda i, k: bool((anc[marks[k]] >> i) & 1),
+                     required=required, may_first=lambda i, k: not (anc[marks[k]] >> i) & 1)
+
+
+def free_stage_lp_bound(graph: ComputeGraph, budget_bytes: int, *, boundaries: list,
+                        time_limit: float | None = None, _facts: "_Ancestry | None" = None) -> float | None:
+    """A lower bound on the cost of *any* schedule, whatever its order: the relaxation
+    of :func:`stage_lp_bound` at boundary ops whose steps are placed by the DAG alone.
+
+    Whatever the order, the first computation of an op comes after those of its
+    ancestors and before those of its descendants. So at the first computation of a
+    boundary op ``c``, every ancestor of ``c`` that a descendant of ``c`` reads (or that
+    is a step output) is live or is computed again before that read; a recomputation
+    needs each input live or computed again too; and what is live must fit the budget
+    beside ``c``'s inputs, output and workspace. With boundaries ``c_1, c_2, ...``,
+    each an ancestor of the next, the intervals between their first computations are
+    the same in every order, and a read by an ancestor of ``c_{k+1}`` falls before
+    ``c_{k+1}``. Values neither side of a boundary are left out (a relaxation), and a
+    multi-output op's run is charged only in an interval where none of its projections
+    may run first.
+
+    Parameters
+    ----------
+    graph : ComputeGraph
+    budget_bytes : int
+        Peak bytes allowed, fixed bytes included.
+    boundaries : list of node ids
+        Ops (not projections of a multi-output op), each an ancestor of the next.
+    time_limit : float, optional
+        Seconds for building and solving the LP; past them the answer is None.
+
+    Returns
+    -------
+    float or None
+        At least the store-all cost; ``math.inf`` when the LP proves that nothing fits;
+        None when it did not finish in time.
+
+    Raises
+    ------
+    ValueError
+        A boundary is not an op, is a projection, or is not an ancestor of the next.
+
+    Examples
+    --------
+    On :func:`stage_lp_bound`'s example the order is forced (a chain), so the bounds agree.
+
+    >>> g = ComputeGraph()
+    >>> for v, b in zip("abcd", [1, 4, 3, 3]): g.add_node(v, bytes=b, time=2.0)
+    >>> g.add_edge("a", "b"); g.add_edge("b", "c"); g.add_edge("c", "d"); g.add_edge("a", "d")
+    >>> round(free_stage_lp_bound(g, 7, boundaries=["c"]), 3)
+    10.0
+    """
+    from solver.deadline import Deadline
+
+    deadline = Deadline(time_limit)
+    facts = _facts or _Ancestry(graph)
+    base = float(graph.total("time"))
+    if not facts.ops:
+        return base
+    marks = _boundary_indices(graph, boundaries, facts.index, facts.in_group)
+    for a, b in zip(marks, marks[1:]):
+        if not (facts.anc[b] >> a) & 1:
+            raise ValueError(f"boundary {facts.ops[a]!r} is not an ancestor of {facts.ops[b]!r}; "
+                             "give boundaries along a path of the graph")
+    if not marks:
+        return base
+    return _relaxation(graph, budget_bytes, facts.ops, facts.index, facts.size, marks, facts.rule(marks),
+                       deadline, None)
+
+
+def free_order_bound(graph: ComputeGraph, budget_bytes: int, *, tries: int = FREE_TRIES,
+                     time_limit: float | None = None) -> float:
+    """The best lower bound valid for any order found in the time:
+    :func:`free_stage_lp_bound` at the single ops where the values that must be live or
+    computed again exceed the budget the most, then along a chain of them.
+
+    Candidates are the ops of the :data:`FREE_CANDIDATES` steps of the reference order
+    most over the budget; each is scored by the bytes its order-free argument forces
+    (ancestors read by descendants, its inputs, output and workspace) above the budget.
+
+    Parameters
+    ----------
+    graph : ComputeGraph
+    budget_bytes : int
+        Peak bytes allowed, fixed bytes included.
+    tries : int
+        How many single boundaries to try (the best scored first).
+    time_limit : float, optional
+        Seconds in all; an LP that does not finish in them counts for nothing.
+
+    Returns
+    -------
+    float
+        At least the store-all cost; ``math.inf`` when nothing fits.
+
+    Examples
+    --------
+    >>> from solver.synthetic import training_chain
+    >>> g = training_chain(4)  # store-all peaks at 6 B
+    >>> free_order_bound(g, 6), round(free_order_bound(g, 5), 3)
+    (12.0, 13.0)
+    """
+    from solver.deadline import Deadline
+
+    deadline = Deadline(time_limit)
+    base = float(graph.total("time"))
+    facts = _Ancestry(graph)
+    ops, index, size = facts.ops, facts.index, facts.size
+    if not ops or tries <= 0:
+        return base
+    _, _, _, last_read = _reference(graph)
+    nodes = graph.nx.nodes
+    room = int(budget_bytes) - graph.fixed_bytes
+    excess = _excess(graph, ops, index, size, last_read, room)
+    over = [t for t in range(len(ops)) if excess[t] > 0 and not facts.in_group[t]]
+    over.sort(key=lambda t: (-excess[t], t))
+    scored = []
+    for t in over[:FREE_CANDIDATES]:
+        if deadline.expired():
+            break
+        inputs = {index[u] for u in graph.op_preds(ops[t])}
+        need = size[t] + _least_workspace(nodes[ops[t]]) + sum(size[i] for i in inputs)
+        need += sum(size[i] for i in facts.required(t) if i not in inputs)
+        if need > room:
+            scored.append((need - room, t))
+    scored.sort(key=lambda x: (-x[0], x[1]))
+    best = base
+    picks = [t for _, t in scored[:tries]]
+    trials = [[t] for t in picks]
+    chain = sorted(picks)  # the reference order is topological: ancestors come first
+    chain = [t for j, t in enumerate(chain) if all((facts.anc[t] >> a) & 1 for a in chain[:j])]
+    if len(chain) > 1:
+        trials.append(chain)
+    for marks in trials:
+        if deadline.expired():
+            break
+        lb = free_stage_lp_bound(graph, budget_bytes, boundaries=[ops[t] for t in marks], _facts=facts,
+                                 time_limit=None if time_limit is None else max(0.0, deadline.left()))
         if lb is not None and lb > best:
             best = lb
             if math.isinf(best):

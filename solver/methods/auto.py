@@ -4,8 +4,10 @@ The recipe, cheapest first:
 
 1. store-all, when the reference order fits (no extra compute: optimal);
 2. ``eviction`` on the reference order (fast, near-optimal on training graphs);
-3. ``chain_dp`` on training graphs (optimal for chains of stages), then ``lp_eviction``
-   (eviction guided by the stage LP's plan, with its unneeded recomputations removed);
+3. ``chain_dp`` on training graphs (optimal for chains of stages), ``lp_eviction``
+   (eviction guided by the stage LP's plan, with its unneeded recomputations removed),
+   then ``block_dp`` (each distinct layer block solved exactly, the blocks composed by
+   a DP over the chain) where one block repeats :data:`BLOCK_DP_MIN_REPEATS` times;
 4. ``order_search`` (free order) where order freedom matters: forward-only graphs, or
    training graphs whose greedy low-memory order lowers the reference peak; then the
    low-memory recipe of :func:`~solver.methods.minpeak.min_peak_sequence`, which
@@ -15,9 +17,11 @@ The recipe, cheapest first:
    while the proven gap is above ``gap_tolerance``;
 6. on the winner, :func:`drop_recomputations`: the heuristics plan with a conservative
    memory model, and the recomputations the simulator shows the budget does not need go.
-7. the gap: when every candidate kept the reference order, the fixed-order lower bound
-   of :func:`solver.bounds.fixed_order_bound` (forced recomputation, then an LP at each
-   of the steps most over the budget), then, on small graphs, the MILP's bound.
+7. the gap: first the bound valid in any order, :func:`solver.bounds.free_order_bound`
+   (the stage LP at ops placed by the DAG alone); then, when every candidate kept the
+   reference order, the fixed-order lower bound of
+   :func:`solver.bounds.fixed_order_bound` (forced recomputation, then an LP at each of
+   the steps most over the budget), then, on small graphs, the MILP's bound.
 
 Every candidate is graded by :func:`solver.simulate`; the cheapest valid one within the
 budget wins (fewest steps on ties). ``schedule.info["auto"]`` records what was tried,
@@ -38,7 +42,7 @@ from solver.simulate import simulate
 
 __all__ = ["solve_auto", "drop_recomputations", "EXACT_MAX_OPS", "CHAIN_DP_MAX_OPS", "ORDER_GAIN", "BOUND_MAX_OPS",
            "BOUND_LIMITED_MAX_OPS", "SMALL_OPS", "GAP_TOLERANCE", "LP_BOUND_SECONDS",
-           "LP_EVICTION_SECONDS"]
+           "LP_EVICTION_SECONDS", "BLOCK_DP_SECONDS", "BLOCK_DP_MIN_REPEATS", "DROP_SECONDS"]
 
 log = logging.getLogger(__name__)
 
@@ -59,6 +63,14 @@ BOUND_LIMITED_MAX_OPS = 400
 GAP_TOLERANCE = 0.01
 #: Without a time limit, seconds at most for ``lp_eviction``.
 LP_EVICTION_SECONDS = 3.0
+#: Without a time limit, seconds at most for dropping the winner's unneeded recomputations.
+DROP_SECONDS = 1.0
+#: Without a time limit, seconds at most for ``block_dp``.
+BLOCK_DP_SECONDS = 2.0
+#: ``block_dp`` runs when one block structure repeats at least this often: on captured
+#: 4-layer models it beat the heuristics nowhere and took the bounds' time; on a 32-layer
+#: one it wins at 0.5x and 0.3x.
+BLOCK_DP_MIN_REPEATS = 8
 #: Without a time limit, seconds at most for the LP bounds at single boundaries.
 LP_BOUND_SECONDS = 2.0
 #: Seconds below which a step that would start is skipped (it could not finish in time).
@@ -101,10 +113,11 @@ def solve_auto(graph: ComputeGraph, budget: int, *, time_limit: float | None = N
     Schedule
         ``method == "auto:<winner>"``; ``info["auto"]`` has ``picked``, ``why`` and
         ``tried`` (cost or error of every candidate). ``lower_bound`` is set only when
-        it holds for the schedule's order freedom: when every candidate kept the
-        reference order (``info["bound_scope"] == "fixed order"``) or when the schedule
-        has no extra compute (``"any order"``). When a candidate reordered, a
-        fixed-order bound goes to ``info["fixed_order_lower_bound"]`` instead.
+        it holds for the schedule's order freedom: a bound valid in any order
+        (``info["bound_scope"] == "free order"``), one that holds when every
+        candidate kept the reference order (``"fixed order"``), or the store-all cost
+        when the schedule has no extra compute (``"any order"``). When a candidate
+        reordered, a fixed-order bound goes to ``info["fixed_order_lower_bound"]``.
 
     Raises
     ------
@@ -202,6 +215,11 @@ def solve_auto(graph: ComputeGraph, budget: int, *, time_limit: float | None = N
         if training and extra():
             run("lp_eviction", "eviction guided by the stage LP's relaxed plan",
                 time_limit=max(0.3, min(LP_EVICTION_SECONDS, 0.5 * left()) if unlimited else 0.6 * left()))
+        # 3c. exact layer blocks composed over the chain of blocks
+        if training and extra():
+            run("block_dp", "each distinct layer block solved exactly, composed by a DP over the chain",
+                time_limit=max(0.3, min(BLOCK_DP_SECONDS if unlimited else 2 * BLOCK_DP_SECONDS, 0.3 * left())),
+                min_repeats=BLOCK_DP_MIN_REPEATS)
         # 4. order search where order freedom matters: forward-only graphs, or when a
         #    low-memory order beats the reference peak
         if extra():
@@ -243,7 +261,7 @@ def solve_auto(graph: ComputeGraph, budget: int, *, time_limit: float | None = N
     if use_drop and extra() and not sched.offloads:
         # 6. drop the recomputations that the budget does not need (the heuristics plan
         #    with a conservative memory model and evict more than they must)
-        slice_s = min(max(0.5, 0.1 * limit), max(MIN_SLICE, left()))
+        slice_s = min(DROP_SECONDS if unlimited else max(0.5, 0.1 * limit), max(MIN_SLICE, left()))
         cheaper = drop_recomputations(graph, sched.sequence, budget,
                                       deadline=_time.perf_counter() + slice_s)
         cost = simulate(graph, cheaper).cost
@@ -266,16 +284,27 @@ def solve_auto(graph: ComputeGraph, budget: int, *, time_limit: float | None = N
         bound = float(sched.lower_bound) if fixed_scope or sched.info.get("bound_scope") == "free order" else None
         if not fixed_scope and bound is None:
             sched.info["fixed_order_lower_bound"] = float(sched.lower_bound)
+    scope = "free order" if bound is not None and sched.info.get("bound_scope") == "free order" else "fixed order"
     close = bound is not None and key[0] - bound <= tolerance * (key[0] - base) + 1e-9
+    if use_bound and not close:
+        # the bound valid in any order first: the stage LP at ops placed by the DAG alone
+        from solver.bounds import free_order_bound
+
+        f_time = min(0.5 * LP_BOUND_SECONDS, max(0.3, 0.25 * elapsed)) if unlimited else max(0.0, 0.3 * left())
+        flb = min(free_order_bound(graph, budget, time_limit=f_time), key[0])
+        if flb > base and (bound is None or flb >= bound):
+            bound, scope = flb, "free order"
+            close = key[0] - bound <= tolerance * (key[0] - base) + 1e-9
     if use_bound and not close and "fixed_order_lower_bound" not in sched.info:
-        # the fixed-order bounds first: the forced recomputation (milliseconds on
+        # then the fixed-order bounds: the forced recomputation (milliseconds on
         # thousands of ops), then small LPs at the steps most over the budget
         from solver.bounds import fixed_order_bound
 
         lp_time = min(LP_BOUND_SECONDS, max(0.3, 0.25 * elapsed)) if unlimited else max(0.0, 0.5 * left())
         lb = min(fixed_order_bound(graph, budget, time_limit=lp_time), key[0])
         if fixed_scope:
-            bound = lb if bound is None else max(bound, lb)
+            if bound is None or lb > bound:
+                bound, scope = lb, "fixed order"
             close = key[0] - bound <= tolerance * (key[0] - base) + 1e-9
         elif lb > base:
             sched.info["fixed_order_lower_bound"] = lb
@@ -291,14 +320,15 @@ def solve_auto(graph: ComputeGraph, budget: int, *, time_limit: float | None = N
                 if lb is not None and math.isfinite(lb):
                     lb = min(float(lb), key[0])
                     if fixed_scope:
-                        bound = lb if bound is None else max(bound, lb)
+                        if bound is None or lb > bound:
+                            bound, scope = lb, "fixed order"
                     else:
                         sched.info["fixed_order_lower_bound"] = max(lb, sched.info.get("fixed_order_lower_bound", lb))
             except (ImportError, AttributeError, SolverError, ValueError) as exc:
                 log.debug("no lower bound for %s: %s", graph.name, exc)
     sched.lower_bound = bound
     if bound is not None:
-        sched.info["bound_scope"] = "any order" if key[0] <= base * (1 + 1e-12) else "fixed order"
+        sched.info["bound_scope"] = "any order" if key[0] <= base * (1 + 1e-12) else scope
     sched.info["auto"] = {"picked": picked, "why": why, "tried": tried, "ops": n,
                           "time_limit": limit, "schedule_seconds": elapsed,
                           "winner_seconds": found_at[0], "reordered": {k: v for k, v in reorders.items()}}

@@ -10,8 +10,9 @@ values read by anything else are never fused.
 
 The ``hierarchical`` method coarsens, solves the coarse graph with ``method="auto"``
 (``chain_dp`` on stage chains, the heuristics, an exact method on small graphs) and
-expands. What it lacks: a DP over blocks between forward articulation points with an
-exact solver inside each block; the coarse solve is a whole-graph solve.
+expands; the coarse solve is a whole-graph solve. The DP over blocks between forward
+articulation points with an exact solver inside each block is ``block_dp``
+(:mod:`solver.methods.blocks`), which ``auto`` also runs on training graphs.
 """
 
 from __future__ import annotations
