@@ -76,6 +76,7 @@ class Captured:
     capture_seconds: float
     solve_start: float
     planning_peak: int | None = None  # the allocator's peak of the measuring run (untracked bytes included)
+    measure_seconds: float = 0.0  # measuring op times and workspaces (measure_within)
     measured_with: tuple | None = None  # the schedule the measuring run ran
 
 
@@ -209,8 +210,7 @@ def measure_within(cap: Captured, *, request: Request, held_back: int = 0) -> Ca
             timed = fitting_sequence(replayed_view(cg), target) or sequence
             peaks.append(measure_in_schedule(cg, timed, times=True).peak_bytes)
     judged = [p + untracked_bytes(cg) for p in peaks if p is not None]
-    return replace(cap, store_all=simulate(cg, cg.order).peak_bytes,
-                   capture_seconds=cap.capture_seconds + time.perf_counter() - t0,
+    return replace(cap, store_all=simulate(cg, cg.order).peak_bytes, measure_seconds=time.perf_counter() - t0,
                    planning_peak=max(judged) if judged else None, measured_with=tuple(sequence),
                    solve_start=time.perf_counter())
 
@@ -444,7 +444,7 @@ def _graph_report(*, cap: Captured, schedule: Schedule, store_all: int, solve_se
         mode="graph", method=schedule.method, budget_bytes=cap.budget, predicted_peak_bytes=schedule.peak_bytes,
         store_all_peak_bytes=store_all, smallest_feasible_bytes=min(low, store_all),
         predicted_overhead=schedule.overhead, predicted_extra_seconds=extra_seconds(cg, schedule), gap=schedule.gap,
-        solve_seconds=solve_seconds, capture_seconds=cap.capture_seconds,
+        solve_seconds=solve_seconds, capture_seconds=cap.capture_seconds, measure_seconds=cap.measure_seconds,
         decisions=schedule.table(cg, limit=25), budget_kind="activations" if cap.activation_budget else "step",
         activation_budget_bytes=cap.activation_budget,
         recomputed=sum(1 for c in schedule.counts().values() if c > 1), graph=cg, schedule=schedule,
@@ -541,6 +541,7 @@ def plan_module(model: nn.Module, *, cap: Captured, request: Request, session: S
         store_all_peak_bytes=store_all, smallest_feasible_bytes=min(store_all, predicted),
         predicted_overhead=sched.overhead, predicted_extra_seconds=extra_seconds(cg, sched), gap=None,
         solve_seconds=time.perf_counter() - cap.solve_start, capture_seconds=cap.capture_seconds,
+        measure_seconds=cap.measure_seconds,
         decisions=mp.table(), budget_kind="activations" if cap.activation_budget else "step",
         activation_budget_bytes=cap.activation_budget, graph=cg, schedule=sched,
     )

@@ -35,10 +35,12 @@ class Report:
     prediction (a note says so), and ``predicted_peak_bytes`` is that plan's.
     ``step_peak_bytes`` is the allocator's peak of the first real training step of the
     plan, from its forward to the end of its backward, the user's loss included
-    (:mod:`solver.watch`). ``planning_peak_bytes`` is the allocator's peak of planning's
-    own runs on the example batch: the run that measures op times and workspaces (a
-    schedule that fits the budget), the gradient check and the measured step of the
-    plan.
+    (:mod:`solver.watch`). ``capture_seconds`` is the tracing of the step,
+    ``measure_seconds`` the runs that measure its op times and workspaces, and
+    ``solve_seconds`` the schedule's search. ``planning_peak_bytes`` is the allocator's
+    peak of planning's own runs on the example batch: the runs that measure op times and
+    workspaces (schedules that fit the budget), the gradient check and the measured step
+    of the plan.
     """
 
     mode: str
@@ -59,6 +61,7 @@ class Report:
     checked_peak_bytes: int | None = None
     step_peak_bytes: int | None = None
     planning_peak_bytes: int | None = None
+    measure_seconds: float = 0.0
     measured_step_seconds: float | None = None
     original_step_seconds: float | None = None
     original_peak_bytes: int | None = None
@@ -121,7 +124,9 @@ class Report:
             f"  store-all peak      {b(self.store_all_peak_bytes)}",
             f"  smallest feasible   {b(self.smallest_feasible_bytes)}",
             f"  extra compute       {100 * self.predicted_overhead:+.2f} % (predicted), gap {gap}",
-            f"  planning            capture {self.capture_seconds:.2f} s, solve {self.solve_seconds:.2f} s"
+            f"  planning            capture {self.capture_seconds:.2f} s, "
+            + (f"measure {self.measure_seconds:.2f} s, " if self.measure_seconds else "")
+            + f"solve {self.solve_seconds:.2f} s"
             + ("" if self.planning_peak_bytes is None else f", peak {b(self.planning_peak_bytes)} ("
                f"{'OVER' if self.planning_peak_bytes > self.budget_bytes else 'within'} the budget)"),
         ]
