@@ -18,7 +18,8 @@ How the step is captured, and why this path
    mutated buffer). The same object feeds
    ``aot_compile_joint_with_descriptors(..., partition_fn=...)``, the AOTAutograd
    runtime that a rewriter uses to run a chosen forward/backward split as one autograd
-   function; :meth:`CaptureInfo.export_joint` re-runs the export for that purpose.
+   function: each compile of it copies the metadata that compiling writes into, so one
+   export serves every cut.
    ``make_fx`` of a functional train step would also give a joint graph, but no
    fw/bw tags, no descriptors and no runtime to host the rewritten graphs.
 
@@ -170,14 +171,6 @@ class CaptureInfo:
     out_spec: Any = None
     backward: str = "loss"
     autocast: tuple = ()
-
-    def export_joint(self, stack: contextlib.ExitStack) -> Any:
-        """Export the joint graph again (same node names) inside ``stack``.
-
-        Pass the result to ``aot_compile_joint_with_descriptors(..., partition_fn=...)``
-        before the stack closes; call the compiled function after.
-        """
-        return _export_joint(stack, self.step, self.flat_inputs, self.fake_mode, self.autocast)
 
 
 def _export_joint(stack: contextlib.ExitStack, step: torch.nn.Module, flat_inputs: list, fake_mode: Any,

@@ -22,7 +22,6 @@ through the dispatcher, so :class:`graphs.memory.MemoryTracker` sees them.
 
 from __future__ import annotations
 
-import contextlib
 import logging
 import operator
 from typing import Any, Callable, Hashable, Sequence
@@ -384,13 +383,10 @@ class ScheduledStep:
             fw_room, bw_room = headroom if isinstance(headroom, tuple) else (headroom, headroom)
             fw_comp, bw_comp = (_inductor_compiler(False, self.inductor_graphs, fw_room),
                                 _inductor_compiler(True, self.inductor_graphs, bw_room))
-        with contextlib.ExitStack() as stack:
-            jd = info.export_joint(stack)
-            self.params_spec = list(jd.params_spec)
-            self.buffers_spec = list(jd.buffers_spec)
-            self.fn = aot_compile_joint(
-                jd, partition_fn=self._partition, fw_compiler=fw_comp, bw_compiler=bw_comp
-            )
+        jd = info.joint  # the capture's own export: each compile copies what it writes into
+        self.params_spec = list(jd.params_spec)
+        self.buffers_spec = list(jd.buffers_spec)
+        self.fn = aot_compile_joint(jd, partition_fn=self._partition, fw_compiler=fw_comp, bw_compiler=bw_comp)
 
     def _partition(self, joint, joint_inputs, *, num_fwd_outputs, **_):
         fw, bw, saved = partition_by_schedule(joint, self.sequence, num_fwd_outputs=num_fwd_outputs)

@@ -25,6 +25,7 @@ True
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import functools
 import os
 import re
@@ -217,11 +218,22 @@ def aot_export_joint(stack: contextlib.ExitStack, module: torch.nn.Module, args:
 
 def aot_compile_joint(joint: Any, *, partition_fn: Callable, fw_compiler: Callable,
                       bw_compiler: Callable) -> Callable:
-    """The runnable autograd function of an exported joint graph, cut by ``partition_fn``
-    (call it after the export's stack has closed)."""
+    """The runnable autograd function of an exported joint graph, cut by ``partition_fn``.
+
+    The export itself is left as it was: compiling writes into the export's forward
+    metadata (the traced tangents become runtime metadata, the random-state count is
+    set), so each compile works on its own copy of it, and one export compiles any
+    number of cuts, after its stack has closed too."""
+    import copy
+
     from torch._functorch.aot_autograd import aot_compile_joint_with_descriptors
 
-    return aot_compile_joint_with_descriptors(joint, partition_fn=partition_fn,
+    state = copy.copy(joint._aot_state)
+    meta = state.fw_metadata = copy.copy(state.fw_metadata)
+    meta.traced_tangents = list(meta.traced_tangents)
+    meta.output_info = list(meta.output_info)
+    return aot_compile_joint_with_descriptors(dataclasses.replace(joint, _aot_state=state),
+                                              partition_fn=partition_fn,
                                               fw_compiler=fw_compiler, bw_compiler=bw_compiler)
 
 

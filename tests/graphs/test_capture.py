@@ -1,4 +1,3 @@
-import contextlib
 import operator
 import json
 import resource
@@ -151,21 +150,24 @@ def test_fake_inputs_match_real_capture():
     assert len(fake) == len(real)
 
 
-def test_joint_reruns_through_aot_runtime():
-    from torch._functorch.aot_autograd import aot_compile_joint_with_descriptors
+def test_the_captured_export_compiles_any_number_of_cuts():
+    """The rewrite compiles the capture's own joint export, again for every schedule:
+    compiling leaves the export and its graph as they were."""
+    from graphs.graph_mode import ScheduledStep
 
     model, inputs = models.mlp(depth=2)
-    cg = capture(model, inputs, measure_time=False)
-    with contextlib.ExitStack() as stack:
-        joint = cg.capture_info.export_joint(stack)
-        assert [n.name for n in joint.graph_module.graph.nodes] == [n.name for n in cg.fx.graph.nodes]
-        fn = aot_compile_joint_with_descriptors(joint)
-    params = [p for p in cg.capture_info.step.parameters()]
-    loss = fn(*params, *inputs)
-    loss = loss[0] if isinstance(loss, (tuple, list)) else loss
-    loss.backward()
-    ref = model(*inputs).sum()
-    assert torch.allclose(loss, ref)
+    cg = capture(model, inputs, backward="outputs", inplace="functional", measure_time=False)
+    names = [n.name for n in cg.fx.graph.nodes]
+    model(*inputs).sum().backward()
+    ref = [p.grad.clone() for p in model.parameters()]
+    for _ in range(3):
+        model.zero_grad(set_to_none=True)
+        step = ScheduledStep(cg, cg.order)
+        out = step(model, inputs, {})
+        out = out[0] if isinstance(out, (tuple, list)) else out
+        out.sum().backward()
+        assert all(torch.equal(p.grad, r) for p, r in zip(model.parameters(), ref))
+    assert [n.name for n in cg.fx.graph.nodes] == names
 
 
 def test_upsampling_is_captured_as_the_native_ops_and_torch_is_left_as_it_was():
