@@ -13,8 +13,8 @@ and split into
 * measure: op times and workspaces measured on the batch, in schedules that fit the
   budget (``planning.measure_within``);
 * solve: the schedule searched (``solver.solve``);
-* check: the rest: the rewrite built (graph mode traces the joint graph again and
-  compiles it), its gradients checked against the model's, the peaks of real steps
+* check: the rest: the rewrite built (graph mode compiles the capture's joint export
+  for the schedule), its gradients checked against the model's, the peaks of real steps
   measured, the report (the second table splits it).
 
 The peaks that set the budget come from a capture in the same process before
@@ -86,8 +86,8 @@ def _run(layers: int, queue) -> None:
     planning.capture_step = clock.wrap("capture", planning.capture_step)
     planning.solve = clock.wrap("solve", planning.solve)
     planning.measure_within = clock.wrap("measure", planning.measure_within)
-    # parts of the check: the rewrite (graph mode traces the joint graph again and
-    # compiles it), the gradient self-check, the measured peaks of real steps
+    # parts of the check: the rewrite (graph mode compiles the capture's joint export),
+    # the gradient self-check, the measured peaks of real steps
     ScheduledStep.__init__ = clock.wrap("rewrite", ScheduledStep.__init__)
     planning.self_check = clock.wrap("self_check", planning.self_check)
     checks.measured_peak = clock.wrap("measured_peak", checks.measured_peak)
