@@ -50,9 +50,12 @@ def min_peak_sequence(
     *,
     deadline: float | None = None,
     orders: list[list[int]] | None = None,
+    quick: bool = False,
 ) -> list[int] | None:
     """A sequence within ``budget_bytes`` from the orders and scores that
-    :func:`smallest_feasible_peak` searches with, or None.
+    :func:`smallest_feasible_peak` searches with, or None. ``quick``: one eviction pass
+    per score on the lowest-peak order only (a failing full probe runs every order and
+    score, seconds on graphs of thousands of ops).
 
     Examples
     --------
@@ -66,7 +69,10 @@ def min_peak_sequence(
     for o in orders:
         if order_peak(ix, o) <= cap:
             return list(o)
-    tries = [(o, sc) for o in orders for sc in _SCORES] + [(list(range(ix.n)), sc) for sc in _REF_SCORES]
+    if quick:
+        tries = [(orders[0], sc) for sc in _SCORES]
+    else:
+        tries = [(o, sc) for o in orders for sc in _SCORES] + [(list(range(ix.n)), sc) for sc in _REF_SCORES]
     for o, sc in tries:
         if deadline is not None and _time.perf_counter() >= deadline:
             break
@@ -97,8 +103,9 @@ def smallest_feasible_peak(graph: ComputeGraph, *, time_limit: float = 0.8) -> t
 
     Notes
     -----
-    Bisection to 0.1 % of the peak over the budget, each probe one eviction pass per
-    order and score: O(log(1/0.001) x passes).
+    Bisection to 0.1 % of the peak over the budget, twice: first each probe one
+    eviction pass per score on the lowest-peak order, then one per order and score
+    (O(log(1/0.001) x passes) each).
 
     Examples
     --------
@@ -117,15 +124,22 @@ def smallest_feasible_peak(graph: ComputeGraph, *, time_limit: float = 0.8) -> t
     orders = low_memory_orders(ix, deadline=deadline)
     hi = min(order_peak(ix, o) for o in orders) + ix.fixed
     hi = max(hi, lb)
-    if hi == lb or min_peak_sequence(ix, lb, deadline=deadline, orders=orders) is not None:
-        return lb, lb, culprit
-    lo = lb  # infeasible for the heuristics
-    while hi - lo > max(1, hi // 1000) and _time.perf_counter() < deadline:
-        mid = (lo + hi) // 2
-        if min_peak_sequence(ix, mid, deadline=deadline, orders=orders) is not None:
-            hi = mid
-        else:
-            lo = mid
+    # two rounds: quick probes first (they bring a large graph's figure down in the
+    # time a single failing full probe takes), then full probes below what they reached;
+    # the bound itself is probed once a round has come within the tolerance of it
+    for quick in (True, False):
+        lo = lb  # infeasible for the heuristics
+        while hi - lo > max(1, hi // 1000) and _time.perf_counter() < deadline:
+            mid = (lo + hi) // 2
+            if min_peak_sequence(ix, mid, deadline=deadline, orders=orders, quick=quick) is not None:
+                hi = mid
+            else:
+                lo = mid
+        if hi != lb and hi - lb <= max(1, hi // 1000) and min_peak_sequence(
+                ix, lb, deadline=deadline, orders=orders, quick=quick) is not None:
+            hi = lb
+        if hi == lb:
+            return lb, lb, culprit
     # a probe that ran out of time may have failed spuriously; hi always succeeded
     log.debug("smallest feasible peak of %s: %d B (lower bound %d B) in %.3f s",
               graph.name, hi, lb, _time.perf_counter() - t0)
