@@ -4,7 +4,7 @@
 graph in its own order, which holds every value the backward reads: the peak of the
 plain training step, the one a budget is asked for because it does not fit.
 :func:`measure_in_schedule` runs a schedule instead: the forward and backward graphs that
-:func:`graphs.rewrite.partition_by_schedule` cuts for it, as the rewritten step runs
+:func:`graphs.rewrite.schedule_graphs` cuts for it, as the rewritten step runs
 them (the forward keeps only what the schedule stores, recomputations where it puts
 them, each value freed after its last use, the output gradients made when the backward
 starts), with every op timed and its workspace measured by the allocator. A schedule
@@ -38,7 +38,7 @@ from graphs.compute_graph import BACKWARD_START, ComputeGraph
 from graphs.costs import StepRunner, measure_workspaces, remember_workspaces, time_ops
 from graphs.errors import CaptureError
 from graphs.memory import resident_bytes
-from graphs.rewrite import is_tangent, partition_by_schedule
+from graphs.rewrite import is_tangent, schedule_graphs
 
 __all__ = ["ScheduleRun", "measure_in_schedule"]
 
@@ -61,6 +61,15 @@ class ScheduleRun:
     seconds: float
 
 
+class _Runnable(torch.nn.Module):
+    """A bare fx graph for an ``fx.Interpreter`` to run: the interpreter reads its
+    ``graph`` and nothing else (no Python code is generated for it)."""
+
+    def __init__(self, graph: fx.Graph) -> None:
+        super().__init__()
+        self.graph = graph
+
+
 def _schedule_runner(cg: ComputeGraph, sequence: Sequence[Hashable]) -> tuple[StepRunner, list]:
     """A runner of the forward and backward graphs of ``sequence`` on real values, and
     the values that exist before it runs (parameters, buffers, inputs)."""
@@ -72,7 +81,7 @@ def _schedule_runner(cg: ComputeGraph, sequence: Sequence[Hashable]) -> tuple[St
     out_node = next(n for n in reversed(gm.graph.nodes) if n.op == "output")
     num_fwd = len(out_node.args[0]) - len(primals)
     seq = [str(s) for s in sequence if s != BACKWARD_START]
-    fw, bw, _ = partition_by_schedule(gm, seq, num_fwd_outputs=num_fwd)
+    fw, bw = (_Runnable(g) for g in schedule_graphs(gm, seq, num_fwd_outputs=num_fwd)[:2])
     values = real_placeholder_values(placeholders, info.step, info.flat_inputs)
     by_name = dict(zip((p.name for p in placeholders), values))
     primal_values = [by_name[p.name] for p in primals]

@@ -41,7 +41,7 @@ from graphs.errors import RematError
 from graphs.fixed import charge
 from graphs.torch_internals import boxed_codegen, fake_value, is_op_overload, op_schema
 
-__all__ = ["RewriteError", "partition_by_schedule", "boxed", "rng_state_bytes", "replay_random_ops", "RandomReplay",
+__all__ = ["RewriteError", "partition_by_schedule", "schedule_graphs", "boxed", "rng_state_bytes", "replay_random_ops", "RandomReplay",
            "random_replay"]
 
 log = logging.getLogger(__name__)
@@ -229,6 +229,19 @@ def partition_by_schedule(
     RewriteError
         A step reads a value that no earlier step made.
     """
+    fg, bg, saved = schedule_graphs(joint, sequence, num_fwd_outputs=num_fwd_outputs)
+    return fx.GraphModule(joint, fg), fx.GraphModule(joint, bg), saved  # their code generated once
+
+
+def schedule_graphs(
+    joint: fx.GraphModule,
+    sequence: Sequence[Hashable],
+    *,
+    num_fwd_outputs: int,
+) -> tuple[fx.Graph, fx.Graph, list[str]]:
+    """:func:`partition_by_schedule`'s forward and backward as bare ``fx.Graph`` objects,
+    without their Python code: what an ``fx.Interpreter`` runs
+    (``Interpreter(joint, graph=forward)``) needs no more."""
     nodes = {n.name: n for n in joint.graph.nodes}
     placeholders = [n for n in joint.graph.nodes if n.op == "placeholder"]
     primals = [n for n in placeholders if not is_tangent(n)]
@@ -375,13 +388,9 @@ def partition_by_schedule(
         for n in g.nodes:
             if n.op == "placeholder":
                 n.target = n.name
-    fw = fx.GraphModule(joint, fg)
-    bw = fx.GraphModule(joint, bg)
-    fw.graph.eliminate_dead_code()
-    fw.recompile()
-    bw.graph.eliminate_dead_code()
-    bw.recompile()
-    return fw, bw, saved
+    fg.eliminate_dead_code()
+    bg.eliminate_dead_code()
+    return fg, bg, saved
 
 
 def _ancestors(roots: Iterable[fx.Node]) -> set[str]:
