@@ -234,14 +234,14 @@ def lowest_peak_sequence(cg: ComputeGraph, *, within: int | None = None) -> list
     """The lowest-peak schedule of ``cg`` that
     :func:`solver.methods.minpeak.smallest_feasible_peak` finds in its time, or, where
     that search stopped above ``within`` bytes (it is timed, and a loaded machine cuts
-    it short), one found within ``within`` by a search that does not stop early: what
-    schedule measures a step does not depend on the machine's load."""
+    it short), one found within ``within`` by quick eviction passes that do not stop
+    early: what schedule measures a step does not depend on the machine's load."""
     from solver.indexed import IndexedGraph
     from solver.methods.minpeak import min_peak_sequence, smallest_feasible_peak
 
     ix = IndexedGraph.of(cg)
     found = smallest_feasible_peak(cg)[0]
-    seq = min_peak_sequence(ix, within) if within is not None and within < found else None
+    seq = min_peak_sequence(ix, within, quick=True) if within is not None and within < found else None
     seq = seq if seq is not None else min_peak_sequence(ix, found)
     return [ix.ids[i] for i in seq] if seq is not None else list(cg.order)
 
