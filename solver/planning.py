@@ -204,7 +204,7 @@ def measure_within(cap: Captured, *, request: Request, held_back: int = 0) -> Ca
         sequence = list(cg.order)
         peaks = [measure_in_schedule(cg, sequence, times=times).peak_bytes]
     else:  # schedules of a view whose random ops may run again, as the rewrite replays them
-        sequence = lowest_peak_sequence(replayed_view(cg), within=int(MEASURE_MARGIN * target))
+        sequence = lowest_peak_sequence(replayed_view(cg), target=int(target))
         peaks = [measure_in_schedule(cg, sequence, times=False).peak_bytes]
         if times:
             timed = fitting_sequence(replayed_view(cg), target) or sequence
@@ -230,18 +230,28 @@ def replayed_view(cg: ComputeGraph) -> ComputeGraph:
     return view
 
 
-def lowest_peak_sequence(cg: ComputeGraph, *, within: int | None = None) -> list:
+def lowest_peak_sequence(cg: ComputeGraph, *, target: int | None = None) -> list:
     """The lowest-peak schedule of ``cg`` that
-    :func:`solver.methods.minpeak.smallest_feasible_peak` finds in its time, or, where
-    that search stopped above ``within`` bytes (it is timed, and a loaded machine cuts
-    it short), one found within ``within`` by quick eviction passes that do not stop
-    early: what schedule measures a step does not depend on the machine's load."""
+    :func:`solver.methods.minpeak.smallest_feasible_peak` finds in its time; where that
+    search stopped above :data:`MEASURE_MARGIN` x ``target`` bytes (it is timed, and a
+    loaded machine cuts it short), the first schedule found within that, else within
+    ``target``, by eviction passes that do not stop early (quick ones first): which
+    schedule measures a step does not depend on the machine's load, and a ``target``
+    that the search once reached (the figure an :class:`InfeasibleBudget` named) is
+    reached again."""
     from solver.indexed import IndexedGraph
     from solver.methods.minpeak import min_peak_sequence, smallest_feasible_peak
 
     ix = IndexedGraph.of(cg)
     found = smallest_feasible_peak(cg)[0]
-    seq = min_peak_sequence(ix, within, quick=True) if within is not None and within < found else None
+    seq = None
+    if target is not None:
+        aims = [(int(MEASURE_MARGIN * target), True), (int(target), True), (int(target), False)]
+        for aim, quick in aims:
+            if aim < found:
+                seq = min_peak_sequence(ix, aim, quick=quick)
+                if seq is not None:
+                    break
     seq = seq if seq is not None else min_peak_sequence(ix, found)
     return [ix.ids[i] for i in seq] if seq is not None else list(cg.order)
 

@@ -349,6 +349,42 @@ def test_no_plan_with_room_for_what_the_step_allocates_is_an_infeasible_budget()
     assert info.value.smallest_feasible_bytes > 10**6
 
 
+def test_where_no_plan_leaves_room_the_smallest_peaks_plan_is_taken_when_it_measures_within():
+    """The plan for the whole budget measures over it by more than any feasible plan can
+    leave: the plan for the smallest peak found is measured, and taken, since it fits
+    (asking for a figure an error named gets a plan even when a cheaper one measures over)."""
+    from solver.checks import Session, fit_measured
+
+    model, x = torch.nn.Linear(8, 8), torch.randn(4, 8)
+    session = Session()
+
+    def run(n):
+        return lambda: model(x).sum() + torch.zeros(n // 4).sum()
+
+    def stub(margin):
+        session.report = _stub_report(0)
+        return 0
+
+    fit_measured(model, make=stub, run=run, args=(x,), kwargs={}, budget=2**40, session=session)
+    base = session.report.checked_peak_bytes
+    budget = base + 100_000
+    smallest = budget - 20_000
+    margins = []
+
+    def make(margin):
+        margins.append(margin)
+        if budget - margin < smallest:
+            raise InfeasibleBudget(budget - margin, smallest, lower_bound_bytes=smallest - 1000)
+        n = 130_000 if margin == 0 else 60_000  # the whole budget's plan holds 30 kB beyond its prediction
+        session.report = _stub_report(base + min(n, 100_000))
+        return n
+
+    n = fit_measured(model, make=make, run=run, args=(x,), kwargs={}, budget=budget, session=session)
+    assert n == 60_000 and margins == [0, margins[1], budget - smallest] and margins[1] > budget - smallest
+    assert session.report.checked_peak_bytes <= budget
+    assert any("smallest peak found" in note for note in session.report.notes)
+
+
 @pytest.mark.parametrize("mode", ["graph", "module"])
 def test_planning_checks_the_plan_with_a_measured_step_like_verify(mode):
     model, inputs = ZOO["gpt"]()
