@@ -148,49 +148,49 @@ def fit_measured(model: nn.Module, *, make: Callable[[int], Any], run: Callable[
                       "ask for a larger budget")
 
 
-def _smallest_that_fits(model: nn.Module, exc: InfeasibleBudget, *, make: Callable[[int], Any],
-                        run: Callable[[Any], Callable[[], Any]], args: tuple, kwargs: dict, budget: int,
-                        session: Session, loss_fn: Callable[[Any], Any] | None) -> Any:
-    """The plan for the smallest peak found, where no plan with a margin is feasible and
-    a step of it measures within ``budget``; else None. A budget an error once named
-    (what :func:`_measured_smallest` measured) is then met by that plan again, even when
-    the plan for the whole budget measured over it."""
-    smallest = exc.smallest_feasible_bytes
-    if smallest > budget:
-        return None
+def _smallest_plan(model: nn.Module, exc: InfeasibleBudget, *, make: Callable[[int], Any],
+                   run: Callable[[Any], Callable[[], Any]], args: tuple, kwargs: dict, budget: int,
+                   session: Session, loss_fn: Callable[[Any], Any] | None) -> tuple[Any, int] | None:
+    """The plan for the smallest peak ``exc`` names and the allocator's peak of one step
+    of it (untracked bytes included), or None where it cannot be made or measured."""
     try:
-        plan = make(budget - smallest)
+        plan = make(budget - exc.smallest_feasible_bytes)  # the margin that plans for the smallest peak
     except RematError:
         return None
     measured = measured_peak(model, run(plan), args, kwargs, loss_fn=loss_fn)
     if measured is None:
         return None
-    report = session.report
-    peak = report.checked_peak_bytes = measured + untracked_bytes(report.graph)
+    peak = measured + untracked_bytes(session.report.graph)
     session.saw(peak)
-    if peak > budget:
+    return plan, peak
+
+
+def _smallest_that_fits(model: nn.Module, exc: InfeasibleBudget, *, budget: int, session: Session,
+                        **step: Any) -> Any:
+    """The plan for the smallest peak found, where no plan with a margin is feasible and
+    a step of it measures within ``budget``; else None. A budget an error once named
+    (what :func:`_measured_smallest` measured) is then met by that plan again, even when
+    the plan for the whole budget measured over it. ``step``: ``make``, ``run``,
+    ``args``, ``kwargs``, ``loss_fn`` as :func:`fit_measured` takes them."""
+    smallest = exc.smallest_feasible_bytes
+    found = _smallest_plan(model, exc, budget=budget, session=session, **step) if smallest <= budget else None
+    if found is None or found[1] > budget:
         return None
-    report.notes.append(f"planned for the smallest peak found, {format_bytes(smallest)}: a step of the plan for "
-                        "the whole budget measured over it, and no plan left room for the difference")
+    plan, session.report.checked_peak_bytes = found
+    session.report.notes.append(f"planned for the smallest peak found, {format_bytes(smallest)}: a step of the plan "
+                                "for the whole budget measured over it, and no plan left room for the difference")
     return plan
 
 
-def _measured_smallest(model: nn.Module, exc: InfeasibleBudget, *, make: Callable[[int], Any],
-                       run: Callable[[Any], Callable[[], Any]], args: tuple, kwargs: dict, budget: int,
-                       session: Session, loss_fn: Callable[[Any], Any] | None) -> InfeasibleBudget:
+def _measured_smallest(model: nn.Module, exc: InfeasibleBudget, *, budget: int, session: Session,
+                       **step: Any) -> InfeasibleBudget:
     """The error to raise for a budget below the smallest plan: the smallest plan's
     measured peak when a step of it measures more than its prediction (asking for the
     figure named must succeed)."""
-    smallest = exc.smallest_feasible_bytes
-    try:
-        plan = make(budget - smallest)  # a negative margin: the plan for the smallest peak
-    except RematError:
+    found = _smallest_plan(model, exc, budget=budget, session=session, **step)
+    if found is None or found[1] <= exc.smallest_feasible_bytes:
         return exc
-    measured = measured_peak(model, run(plan), args, kwargs, loss_fn=loss_fn)
-    if measured is None or measured + untracked_bytes(session.report.graph) <= smallest:
-        return exc
-    return InfeasibleBudget(budget, measured + untracked_bytes(session.report.graph),
-                            lower_bound_bytes=exc.lower_bound_bytes, what="measured peak")
+    return InfeasibleBudget(budget, found[1], lower_bound_bytes=exc.lower_bound_bytes, what="measured peak")
 
 
 @dataclass(frozen=True)

@@ -200,7 +200,8 @@ def measure_within(cap: Captured, *, request: Request, held_back: int = 0) -> Ca
         return cap
     t0 = time.perf_counter()
     target, times = cap.budget - held_back, request.measure_time is not False
-    if simulate(cg, cg.order).peak_bytes <= MEASURE_MARGIN * target:
+    store_all = simulate(cg, cg.order).peak_bytes  # by the capture's estimates
+    if store_all <= MEASURE_MARGIN * target:
         sequence = list(cg.order)
         peaks = [measure_in_schedule(cg, sequence, times=times).peak_bytes]
     else:  # schedules of a view whose random ops may run again, as the rewrite replays them
