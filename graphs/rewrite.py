@@ -76,6 +76,12 @@ def _rng_restore(prev: torch.Tensor, device: torch.device, after: object = None)
     _rng_swap(prev, device)
 
 
+@fx.node.has_side_effect
+def _drawn(value: object) -> None:
+    """Keep a random op's first run (and its draws) in a graph that never reads its
+    result: dead-code elimination removes what nothing reads."""
+
+
 def rng_state_bytes(device: torch.device | str = "cpu") -> int:
     """Bytes of one saved generator state of ``device`` (what replaying one random op
     costs).
@@ -300,6 +306,9 @@ def schedule_graphs(
                 env[key] = g.call_function(_rng_state, (dev,))
                 env[key].meta["val"] = fake_value(_rng_state(dev), like=placeholders)
                 new = _emit(g, node, env, scheduled, resolve)
+                # the first run draws even where a later run's copy is the one read:
+                # without it, every later draw of the step would come from another state
+                g.call_function(_drawn, (new,))
             else:
                 prev = g.call_function(_rng_swap, (env[key] if key in env else saved_state(key), dev))
                 new = _emit(g, node, env, scheduled, resolve)

@@ -50,3 +50,25 @@ def test_transformer_encoder_layers_with_dropout_match_eager_bitwise(method):
     got_loss, got = _loss_and_grads(model, lambda: step(model, (x,), {}))
     assert torch.equal(got_loss, want_loss)
     assert all(torch.equal(a, b) for a, b in zip(got, want))
+
+
+def test_a_first_draw_that_no_op_reads_still_draws():
+    # the schedule draws each mask, then draws it again right away: the consumers read
+    # the second copy, so nothing reads the first; it must still advance the generator,
+    # or every later mask of the step comes from another state
+    model, (x,) = models.encoder_stack(layers=2, seq=16, batch=4)
+    cg = capture(model, (x,), backward="outputs", inplace="functional", measure_time=False)
+    random_ops = [v for v in cg.ops if "bernoulli" in str(cg[v]["op"])]
+    for v in random_ops:
+        cg[v]["recomputable"] = True
+    seq = []
+    for v in cg.order:
+        seq.append(v)
+        if v in random_ops:
+            seq.append(v)
+    assert simulate(cg, seq).valid
+    step = ScheduledStep(cg, seq)
+    want_loss, want = _loss_and_grads(model, lambda: model(x))
+    got_loss, got = _loss_and_grads(model, lambda: step(model, (x,), {}))
+    assert torch.equal(got_loss, want_loss)
+    assert all(torch.equal(a, b) for a, b in zip(got, want))
