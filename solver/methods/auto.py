@@ -33,11 +33,11 @@ from __future__ import annotations
 import logging
 import math
 import time as _time
-from typing import Hashable, Sequence
 
 from graphs import ComputeGraph
 from solver.errors import InfeasibleBudget, NoScheduleFound, SolverError
 from solver.schedule import Schedule
+from solver.methods.drop import drop_recomputations
 from solver.simulate import simulate
 
 __all__ = ["solve_auto", "drop_recomputations", "EXACT_MAX_OPS", "CHAIN_DP_MAX_OPS", "ORDER_GAIN", "BOUND_MAX_OPS",
@@ -334,56 +334,6 @@ def solve_auto(graph: ComputeGraph, budget: int, *, time_limit: float | None = N
                           "winner_seconds": found_at[0], "reordered": {k: v for k, v in reorders.items()}}
     sched.method = f"auto:{picked}"
     return sched
-
-
-def drop_recomputations(graph: ComputeGraph, sequence: Sequence[Hashable], budget: int, *,
-                        deadline: float | None = None) -> list[Hashable]:
-    """Remove recomputations from a schedule while it stays within ``budget``.
-
-    Each later run of a value, the costliest first, is removed if the schedule without it
-    is valid, peaks at most at ``budget`` (the value then stays resident from its previous
-    run) and costs no more, all as :func:`solver.simulate` grades it.
-
-    Parameters
-    ----------
-    graph : ComputeGraph
-    sequence : sequence of node ids
-        A schedule; a repeated id is a recomputation.
-    budget : int
-        Peak bytes allowed, fixed bytes included.
-    deadline : float, optional
-        ``time.perf_counter()`` value after which no more removals are tried.
-
-    Returns
-    -------
-    list
-        The schedule with the removable recomputations gone.
-
-    Examples
-    --------
-    >>> from solver.synthetic import training_chain
-    >>> g = training_chain(4)
-    >>> seq = list(g.order)
-    >>> drop_recomputations(g, seq[:3] + seq[:3] + seq[3:], 10**9) == seq
-    True
-    """
-    seq = list(sequence)
-    cost = simulate(graph, seq).cost
-    seen: set = set()
-    later = []
-    for i, v in enumerate(seq):
-        if v in seen:
-            later.append(i)
-        seen.add(v)
-    later.sort(key=lambda i: -graph[seq[i]].get("time", 0.0))
-    for i in later:
-        if deadline is not None and _time.perf_counter() > deadline:
-            break
-        cand = seq[:i] + [None] + seq[i + 1:]  # None keeps the other positions valid
-        r = simulate(graph, [v for v in cand if v is not None])
-        if r.valid and r.peak_bytes <= budget and r.cost <= cost:
-            seq, cost = cand, r.cost
-    return [v for v in seq if v is not None]
 
 
 def _reorders(ix, sequence) -> bool:
