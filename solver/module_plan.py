@@ -28,7 +28,7 @@ from solver.plans import _recompute_missing, sequence_from_keep
 from solver.schedule import Schedule
 from solver.simulate import SimulationResult, simulate
 
-__all__ = ["ModulePlan", "BlockIndex", "checkpoint_view", "plan_modules", "greedy_block_plan", "plan_schedule", "block_nodes", "keep_for_plan", "checkpoint_sequence",
+__all__ = ["ModulePlan", "BlockIndex", "checkpoint_view", "hold_node_inputs", "plan_modules", "greedy_block_plan", "plan_schedule", "block_nodes", "keep_for_plan", "checkpoint_sequence",
            "MATMUL_OPS", "ACTIONS"]
 
 log = logging.getLogger(__name__)
@@ -267,6 +267,68 @@ def block_nodes(graph: ComputeGraph, block: str) -> tuple[list, list]:
         if _inside(d.get("module") or "", block):
             (fwd if d["phase"] == "forward" else bwd).append(v)
     return fwd, bwd
+
+
+#: Positions in the reference order within which the ops of one autograd node lie
+NODE_SPAN = 4
+
+
+def hold_node_inputs(graph: ComputeGraph) -> int:
+    """Eager autograd's lifetimes in backward, on a captured step that eager autograd runs
+    (module mode). A node of the autograd graph computes all its gradients before it
+    lets go of what it read (its saved tensors, the gradient that arrived), whereas the
+    captured backward splits it into ops that each free their inputs: ``MulBackward0``
+    becomes two ``mul`` ops, and the factor the first reads would be freed before the
+    second runs. So every op value that an op of a backward node (the ops that share an
+    ``autograd_node``) reads is also read by the node's last op in the reference order:
+    an edge to it, consistent with that order. A node's ops lie within
+    :data:`NODE_SPAN` positions of each other in that order; ops that share a number
+    further apart (the gradient-accumulating ``add`` ops, numbered alike across the
+    whole backward) are separate runs.
+
+    Returns
+    -------
+    int
+        Edges added.
+
+    Examples
+    --------
+    >>> g = ComputeGraph()
+    >>> g.add_node("a", bytes=4, phase="backward"); g.add_node("b", bytes=4, phase="backward")
+    >>> for v in ("x", "y"): g.add_node(v, bytes=4, phase="backward", autograd_node=7)
+    >>> g.add_edge("a", "x"); g.add_edge("b", "y"); g.add_edge("a", "b")
+    >>> hold_node_inputs(g), g.nx.has_edge("a", "y")
+    (1, True)
+    """
+    at = {v: i for i, v in enumerate(graph.order)}
+    ops = graph.ops_set
+    nodes: dict = {}
+    for v in graph.ops:
+        d = graph[v]
+        if d["phase"] == "backward" and d.get("autograd_node") is not None and d.get("op") != "tangent":
+            nodes.setdefault(d["autograd_node"], []).append(v)
+    runs = []
+    for members in nodes.values():
+        members.sort(key=at.__getitem__)
+        run = [members[0]]
+        for v in members[1:]:
+            if at[v] - at[run[-1]] > NODE_SPAN:
+                runs.append(run)
+                run = []
+            run.append(v)
+        runs.append(run)
+    edges = []
+    for run in runs:
+        if len(run) < 2:
+            continue
+        last, inside = run[-1], set(run)
+        for v in run[:-1]:
+            for u in graph.nx.predecessors(v):
+                if u in ops and u not in inside and not graph.nx.has_edge(u, last):
+                    edges.append((u, last))
+    for u, v in dict.fromkeys(edges):
+        graph.add_edge(u, v)
+    return len(dict.fromkeys(edges))
 
 
 def editable_copy(graph: ComputeGraph) -> ComputeGraph:

@@ -29,7 +29,7 @@ from graphs.units import format_bytes
 from solver.checks import Session, fit_measured, measured_peak, self_check
 from solver.errors import SolverError
 from solver.fixed import SEED_RESERVE, untracked_bytes
-from solver.module_plan import plan_modules
+from solver.module_plan import hold_node_inputs, plan_modules
 from solver.grading import check_budget
 from solver.solving import solve
 from solver.report import Report
@@ -166,8 +166,10 @@ def capture_step(model: nn.Module, args: tuple, kwargs: dict, *, request: Reques
         charge_loss(cg, request.loss_fn)
     if request.dp is not None:
         request.dp.charge(cg)
-    if request.mode == "module" and request.loss_fn is None:
-        backward_from_loss(cg)  # eager autograd; AOTAutograd's runtime materializes zero tangents
+    if request.mode == "module":
+        hold_node_inputs(cg)  # eager autograd frees a node's inputs once all its gradients are computed
+        if request.loss_fn is None:
+            backward_from_loss(cg)  # eager autograd; AOTAutograd's runtime materializes zero tangents
     capture_s = time.perf_counter() - t0
     budget, act_budget = int(request.budget), None
     if request.activation_budget:

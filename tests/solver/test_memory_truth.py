@@ -213,9 +213,8 @@ def test_hf_models_with_labels_fit_from_the_first_step(name, mode, frac):
     opt.step()
     report = fast.report
     assert report.step_peak_bytes <= budget, (report.step_peak_bytes, budget)
-    # module mode on HF Llama predicts 5.5 % low (the known gap of its module-mode estimate)
-    tolerance = 0.06 if (name, mode) == ("hf_llama", "module") else 0.03
-    assert abs(report.predicted_peak_bytes - report.step_peak_bytes) <= tolerance * report.step_peak_bytes
+    assert abs(report.predicted_peak_bytes - report.step_peak_bytes) <= 0.03 * report.step_peak_bytes, \
+        (report.predicted_peak_bytes, report.step_peak_bytes)
 
 
 def test_on_meta_tensors_the_report_says_the_workspaces_are_estimated():

@@ -69,3 +69,32 @@ def test_nested_blocks_keep_the_plain_order(llama):
     plan = {nested[0]: "full", nested[1]: "full", nested[2]: "full"}
     seq = sequence_from_keep(graph, keep_for_plan(graph, plan))
     assert checkpoint_sequence(graph, seq, plan, index=index) == checkpoint_sequence(graph, seq, plan)
+
+
+def test_eager_autograd_holds_what_a_node_read_until_its_last_op():
+    from graphs import ComputeGraph
+    from solver import simulate
+    from solver.module_plan import NODE_SPAN, hold_node_inputs
+
+    g = ComputeGraph()
+    g.add_node("grad", bytes=8, phase="backward")
+    g.add_node("saved", bytes=8, phase="forward")
+    for v in ("mul_a", "mul_b"):  # one autograd node's two gradients
+        g.add_node(v, bytes=8, phase="backward", autograd_node=3, output=True)
+    g.add_edge("grad", "mul_a"); g.add_edge("saved", "mul_a"); g.add_edge("grad", "mul_b")
+    peak_before = simulate(g, g.order).peak_bytes
+    assert hold_node_inputs(g) == 1 and g.nx.has_edge("saved", "mul_b")
+    assert simulate(g, g.order).peak_bytes == peak_before + 8  # "saved" lives through mul_b
+    # ops numbered alike but far apart in the order (gradient accumulation) are not one node
+    h = ComputeGraph()
+    h.add_node("x", bytes=8, phase="backward")
+    h.add_node("acc_0", bytes=8, phase="backward", autograd_node=9)
+    prev = "acc_0"
+    h.add_edge("x", prev)
+    for i in range(NODE_SPAN + 1):
+        h.add_node(f"op_{i}", bytes=8, phase="backward")
+        h.add_edge(prev, f"op_{i}")
+        prev = f"op_{i}"
+    h.add_node("acc_1", bytes=8, phase="backward", autograd_node=9)
+    h.add_edge(prev, "acc_1")
+    assert hold_node_inputs(h) == 0
