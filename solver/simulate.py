@@ -273,11 +273,17 @@ def simulate(
 def _continues_run(nodes, sequence, t: int) -> bool:
     """Does step ``t`` continue a run of a multi-output op (it follows an earlier
     projection of the same ``group`` directly)?"""
-    if t == 0 or sequence[t] not in nodes or sequence[t - 1] not in nodes:
+    return t > 0 and _continues(nodes, sequence[t - 1], sequence[t])
+
+
+def _continues(nodes, prev, v) -> bool:
+    """Does a step of ``v`` right after a step of ``prev`` continue a run of a
+    multi-output op (``prev`` an earlier projection of the same ``group``)?"""
+    if v not in nodes or prev not in nodes:
         return False
-    d, prev = nodes[sequence[t]], nodes[sequence[t - 1]]
+    d, before = nodes[v], nodes[prev]
     group = d.get("group")
-    return group is not None and prev.get("group") == group and prev.get("group_index", 0) < d.get("group_index", 0)
+    return group is not None and before.get("group") == group and before.get("group_index", 0) < d.get("group_index", 0)
 
 
 def _time(nodes, v, continues: bool) -> float:

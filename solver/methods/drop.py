@@ -22,7 +22,8 @@ from typing import Hashable, Sequence
 import numpy as np
 
 from graphs import ComputeGraph
-from solver.simulate import simulate
+from solver.simulate import _continues, _workspace, simulate
+from solver.simulate import _time as _step_time
 
 __all__ = ["drop_recomputations"]
 
@@ -34,42 +35,20 @@ _ULPS = 1e-12
 
 
 class _Node:
-    __slots__ = ("preds", "bytes", "group", "group_index", "time", "group_time", "workspace",
-                 "run_workspace", "output")
+    __slots__ = ("preds", "bytes", "output")
 
     def __init__(self, d: dict, preds: tuple):
         self.preds = preds
         self.bytes = int(d["bytes"])
-        self.group = d.get("group")
-        self.group_index = d.get("group_index", 0)
-        self.time = float(d["time"])
-        self.group_time = d.get("group_time")
-        self.workspace = int(d.get("workspace", 0))
-        self.run_workspace = int(d.get("run_workspace", self.workspace))
         self.output = bool(d.get("output", False))
-
-    def continues(self, prev: "_Node | None") -> bool:
-        """As :func:`solver.simulate._continues_run`: this projection follows an earlier
-        one of the same multi-output op directly."""
-        return (prev is not None and self.group is not None and prev.group == self.group
-                and prev.group_index < self.group_index)
-
-    def cost(self, continues: bool) -> tuple[float, int]:
-        """Compute time and workspace of a step of this node (see ``simulate._time`` and
-        ``simulate._workspace``)."""
-        if self.group is not None and self.group_time is not None:
-            t = 0.0 if continues else float(self.group_time)
-        else:
-            t = self.time
-        return t, (self.run_workspace if continues else self.workspace)
 
 
 class _Replay:
     """The simulator's bookkeeping of ``seq`` (``None`` at removed steps), no offloads."""
 
-    def __init__(self, info: dict, seq: list, fixed: int):
+    def __init__(self, info: dict, nodes, seq: list, fixed: int):
         n = len(seq)
-        self.seq, self.info = seq, info
+        self.seq, self.info, self.nodes = seq, info, nodes
         start, end, node, reads, prev, nxt = [], [], [], [], [], []
         step_occ = [-1] * n
         step_reads: list = [()] * n
@@ -104,9 +83,9 @@ class _Replay:
                 nxt[before_k] = k
             current[v] = k
             step_occ[t] = k
-            c = d.continues(info[seq[last]] if last >= 0 else None)
+            c = last >= 0 and _continues(nodes, seq[last], v)
             cont[t] = c
-            compute[t], work[t] = d.cost(c)
+            compute[t], work[t] = _step_time(nodes, v, c), _workspace(nodes, v, c)
             before[t] = last
             if last >= 0:
                 after[last] = t
@@ -164,9 +143,9 @@ class _Replay:
         j = self.after[i]
         if j < len(seq):
             h = self.before[i]
-            c = info[seq[j]].continues(info[seq[h]] if h >= 0 else None)
+            c = h >= 0 and _continues(self.nodes, seq[h], seq[j])
             if c != self.cont[j]:
-                t, w = info[seq[j]].cost(c)
+                t, w = _step_time(self.nodes, seq[j], c), _workspace(self.nodes, seq[j], c)
                 dcost = t - self.compute[j]
                 rerun = (c, t, w)
                 if w != self.work[j]:
@@ -276,7 +255,7 @@ def drop_recomputations(graph: ComputeGraph, sequence: Sequence[Hashable], budge
     if not later:
         return seq
     later.sort(key=lambda i: -nodes[seq[i]].get("time", 0.0))
-    replay = _Replay(info, seq, graph.fixed_bytes)
+    replay = _Replay(info, nodes, seq, graph.fixed_bytes)
     dropped = 0
     for i in later:
         if deadline is not None and _time.perf_counter() > deadline:
