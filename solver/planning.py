@@ -460,7 +460,8 @@ def _graph_report(*, cap: Captured, schedule: Schedule, store_all: int, solve_se
     low = smallest_feasible_peak(cg)[0]
     return Report(
         mode="graph", method=schedule.method, budget_bytes=cap.budget, predicted_peak_bytes=schedule.peak_bytes,
-        store_all_peak_bytes=store_all, smallest_feasible_bytes=min(low, store_all),
+        store_all_peak_bytes=store_all,
+        smallest_feasible_bytes=min(low, store_all, schedule.peak_bytes),  # the plan is a schedule too
         predicted_overhead=schedule.overhead, predicted_extra_seconds=extra_seconds(cg, schedule), gap=schedule.gap,
         solve_seconds=solve_seconds, capture_seconds=cap.capture_seconds, measure_seconds=cap.measure_seconds,
         decisions=schedule.table(cg, limit=25), budget_kind="activations" if cap.activation_budget else "step",

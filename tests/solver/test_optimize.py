@@ -209,6 +209,28 @@ def test_report_reads_well():
     assert d["fits"] is True and d["measured_peak_bytes"] <= d["budget_bytes"]
 
 
+def test_the_reported_smallest_feasible_peak_is_never_above_the_plans_own(monkeypatch):
+    # the lowest-peak search is timed: on a loaded machine or a large graph it can stop
+    # at the store-all peak, while the plan itself peaks at half of it
+    import importlib
+
+    minpeak = importlib.import_module("solver.methods.minpeak")  # solver.methods is a function
+
+    model, inputs = ZOO["gpt"]()
+    store_all = _budget("gpt", 1.0)
+    real = minpeak.smallest_feasible_peak
+
+    def cut_short(graph, **kw):
+        found, lb, culprit = real(graph, **kw)
+        return max(found, simulate(graph, graph.order).peak_bytes), lb, culprit
+
+    monkeypatch.setattr(minpeak, "smallest_feasible_peak", cut_short)
+    fast = solver.optimize(model, 0.6 * store_all / GiB, inputs, mode="graph", measure_time=False)
+    report = fast.report
+    assert report.predicted_peak_bytes < report.store_all_peak_bytes
+    assert report.smallest_feasible_bytes <= report.predicted_peak_bytes
+
+
 def test_a_budget_of_the_reported_store_all_peak_needs_no_recomputation():
     model, inputs = ZOO["gpt"]()  # with dropout: the generator states graph mode keeps count
     store_all = solver.optimize(model, 1e3, inputs, measure_time=False).report.store_all_peak_bytes
