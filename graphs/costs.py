@@ -268,27 +268,62 @@ def whole_graph(gm: torch.fx.GraphModule, args: list[Any]) -> StepRunner:
 
 
 class _TimingInterpreter(torch.fx.Interpreter):
-    def __init__(self, gm: torch.fx.GraphModule, *, repeats: int, sync: Callable[[], None], times: dict):
+    """Times each op: the fastest of ``repeats`` runs after a warm-up run. An op whose
+    call signature (the op, its arguments' shapes, dtypes and strides) was timed before
+    in the step, such as the same op of the next alike layer or a recomputation,
+    runs once, untimed, and takes that figure: the same kernel on the same shapes."""
+
+    def __init__(self, gm: torch.fx.GraphModule, *, repeats: int, sync: Callable[[], None], times: dict,
+                 by_signature: dict):
         super().__init__(gm)
         self.repeats = repeats
         self.sync = sync
         self.times = times
+        self.by_signature = by_signature
 
     def run_node(self, n: torch.fx.Node) -> Any:
         label = op_label(n)
         if label is None:
             return super().run_node(n)
+        args, kwargs = self.fetch_args_kwargs_from_env(n)
+        sig = _call_signature(n.target, args, kwargs)
+        if sig is not None and sig in self.by_signature:
+            self.times[label] = min(self.by_signature[sig], self.times.get(label, float("inf")))
+            return self.call_function(n.target, args, kwargs)
         samples = []
         result = None
         for i in range(self.repeats + 1):  # the first run is the warm-up
             self.sync()
             t0 = time.perf_counter()
-            result = super().run_node(n)
+            result = self.call_function(n.target, args, kwargs)
             self.sync()
             if i:
                 samples.append(time.perf_counter() - t0)
-        self.times[label] = min(samples + [self.times.get(label, float("inf"))])
+        fastest = min(samples)
+        if sig is not None:
+            self.by_signature[sig] = fastest
+        self.times[label] = min(fastest, self.times.get(label, float("inf")))
         return result
+
+
+def _call_signature(target: Any, args: tuple, kwargs: dict) -> tuple | None:
+    """What a call's time depends on, from its real arguments: the op, the shapes,
+    dtypes, strides and devices of its tensors and its other arguments (None where an
+    argument is not a plain value)."""
+    def key(a: Any) -> Any:
+        if isinstance(a, torch.Tensor):
+            return ("T", tuple(a.shape), a.dtype, a.stride(), a.device, a.requires_grad)
+        if isinstance(a, (list, tuple)):
+            return (type(a).__name__,) + tuple(key(x) for x in a)
+        if a is None or isinstance(a, (bool, int, float, str, torch.dtype, torch.device, torch.layout,
+                                       torch.memory_format)):
+            return a
+        raise LookupError
+
+    try:
+        return (target, key(args), tuple(sorted((k, key(v)) for k, v in kwargs.items())))
+    except LookupError:
+        return None
 
 
 def _sync_of(devices: set[str]) -> Callable[[], None]:
@@ -302,17 +337,21 @@ def _sync_of(devices: set[str]) -> Callable[[], None]:
 
 def time_ops(runner: StepRunner, *, devices: set[str], repeats: int = 5, warm: bool = True) -> dict[str, float]:
     """Time every op that ``runner`` runs: the fastest of ``repeats`` runs after one
-    warm-up run (an op run more than once by a schedule: the fastest of all its runs),
-    keyed by :func:`op_label`. With ``warm``, the whole step runs once untimed first
-    (see :func:`annotate_measured_time`). Runs without autograd; the generator state is
-    the caller's to restore."""
+    warm-up run, keyed by :func:`op_label`. Calls of one op on arguments of the same
+    shapes, dtypes and strides (alike layers, an op a schedule runs again) are timed
+    once and share the figure: a model of many alike layers times each distinct call
+    once. With ``warm``, the whole step runs once untimed first (see
+    :func:`annotate_measured_time`). Runs without autograd; the generator state is the
+    caller's to restore."""
     times: dict[str, float] = {}
+    by_signature: dict[tuple, float] = {}
     sync = _sync_of(devices)
     with torch.no_grad():
         try:
             if warm:
                 runner(torch.fx.Interpreter)
-            runner(lambda g: _TimingInterpreter(g, repeats=max(1, repeats), sync=sync, times=times))
+            runner(lambda g: _TimingInterpreter(g, repeats=max(1, repeats), sync=sync, times=times,
+                                               by_signature=by_signature))
         except Exception as exc:
             raise CaptureError(f"timing the captured graph on real tensors failed: {exc}") from exc
     return times

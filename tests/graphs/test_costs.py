@@ -121,3 +121,33 @@ def test_a_workspace_measured_once_is_what_later_estimates_take():
     assert annotate_estimated_workspace(other)["convolution"] != measured
     forget_measured_workspaces()
     assert annotate_estimated_workspace(make_fx(conv)(x, w))["convolution"] == rule
+
+
+def test_alike_calls_are_timed_once_and_share_the_figure():
+    from torch.utils._python_dispatch import TorchDispatchMode
+
+    from graphs.costs import time_ops, whole_graph
+
+    def layers(x, w, v):
+        for _ in range(4):  # four alike layers, then one of another shape
+            x = torch.tanh(x @ w)
+        return torch.tanh(x @ v)
+
+    args = [torch.randn(64, 32), torch.randn(32, 32), torch.randn(32, 16)]
+    gm = make_fx(layers)(*args)
+    mms = [n.name for n in gm.graph.nodes if n.target is torch.ops.aten.mm.default]
+
+    class Count(TorchDispatchMode):
+        runs = 0
+
+        def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+            Count.runs += func is torch.ops.aten.mm.default
+            return func(*args, **(kwargs or {}))
+
+    with Count():
+        times = time_ops(whole_graph(gm, args), devices={"cpu"}, repeats=3, warm=False)
+    # the first 64x32 @ 32x32 call: a warm-up and 3 timed runs; the three alike ones run
+    # once and take its figure; the 64x32 @ 32x16 call is timed on its own
+    assert Count.runs == (1 + 3) + 3 + (1 + 3)
+    assert len(mms) == 5 and all(times[m] > 0 for m in mms)
+    assert times[mms[0]] == times[mms[1]] == times[mms[2]] == times[mms[3]]
