@@ -184,9 +184,10 @@ def measure_within(cap: Captured, *, request: Request, held_back: int = 0) -> Ca
     ``request.measure_time`` is False) by running schedules of it
     (:func:`graphs.measured.measure_in_schedule`) that do not need the memory the plan
     is to save: the reference order where it fits well within the budget by the
-    capture's estimates; otherwise the lowest-peak schedule found measures the
-    workspaces (the estimates can be low), and the times are taken in a schedule that
-    fits the budget by the measured workspaces. The returned capture carries the
+    capture's estimates, otherwise the lowest-peak schedule found (the estimates of the
+    workspaces can be low). One run measures the workspaces, the next the times (an op
+    that the schedule runs again, or one like an op timed before, is timed once:
+    :func:`graphs.costs.time_ops`). The returned capture carries the
     measured figures and the runs' peak. ``held_back``: bytes of the budget a replan
     keeps back. Fake or meta tensors: as captured (roofline times, estimated
     workspaces)."""
@@ -208,10 +209,7 @@ def measure_within(cap: Captured, *, request: Request, held_back: int = 0) -> Ca
         peaks = [measure_in_schedule(cg, sequence, times=times).peak_bytes]
     else:  # schedules of a view whose random ops may run again, as the rewrite replays them
         sequence = lowest_peak_sequence(replayed_view(cg), target=int(target))
-        peaks = [measure_in_schedule(cg, sequence, times=False).peak_bytes]
-        if times:
-            timed = fitting_sequence(replayed_view(cg), target) or sequence
-            peaks.append(measure_in_schedule(cg, timed, times=True).peak_bytes)
+        peaks = [measure_in_schedule(cg, sequence, times=times).peak_bytes]
     judged = [p + untracked_bytes(cg) for p in peaks if p is not None]
     return replace(cap, store_all=simulate(cg, cg.order).peak_bytes, measure_seconds=time.perf_counter() - t0,
                    planning_peak=max(judged) if judged else None, measured_with=tuple(sequence),
@@ -257,14 +255,6 @@ def lowest_peak_sequence(cg: ComputeGraph, *, target: int | None = None) -> list
                     break
     seq = seq if seq is not None else min_peak_sequence(ix, found)
     return [ix.ids[i] for i in seq] if seq is not None else list(cg.order)
-
-
-def fitting_sequence(cg: ComputeGraph, target: int) -> list | None:
-    """A quick schedule of ``cg`` within ``target`` (``eviction``), or None."""
-    try:
-        return list(solve(cg, int(target), method="eviction").sequence)
-    except RematError:
-        return None
 
 
 def planning_note(report: Report, cap: Captured, session: Session) -> None:
