@@ -100,7 +100,7 @@ def measured_peak(model: nn.Module, run: Callable[[], Any], args: tuple, kwargs:
 
 def fit_measured(model: nn.Module, *, make: Callable[[int], Any], run: Callable[[Any], Callable[[], Any]],
                  args: tuple, kwargs: dict, budget: int, session: Session, tries: int = 3,
-                 loss_fn: Callable[[Any], Any] | None = None, held_back: int = 0) -> Any:
+                 loss_fn: Callable[[Any], Any] | None = None, held_back: int = 0, reserve: int = 0) -> Any:
     """Plan, measure one step of the plan, and plan again with a margin while the
     measured peak is over ``budget``.
 
@@ -109,13 +109,20 @@ def fit_measured(model: nn.Module, *, make: Callable[[int], Any], run: Callable[
     segment allocates inside it. The margin is what the step measured beyond its plan.
     ``make(margin)`` plans for ``budget - margin`` and sets ``session.report``;
     ``run(plan)`` is one step of a plan. ``held_back``: the margin to start from (what a
-    real step measured beyond an earlier plan).
+    real step measured beyond an earlier plan). ``reserve``: bytes more planned below the
+    budget from the start, so that the step measured is within it (the prediction's own
+    error) where a plan leaves room for it; a step is still judged against the whole
+    budget.
     """
     try:
-        out, margin = make(held_back), held_back
-    except InfeasibleBudget as exc:
-        raise _measured_smallest(model, exc, make=make, run=run, args=args, kwargs=kwargs, budget=budget,
-                                 session=session, loss_fn=loss_fn) from exc
+        out, margin = make(held_back + reserve), held_back + reserve
+    except InfeasibleBudget:
+        reserve = 0  # the reserve is kept where a plan leaves room for it
+        try:
+            out, margin = make(held_back), held_back
+        except InfeasibleBudget as exc:
+            raise _measured_smallest(model, exc, make=make, run=run, args=args, kwargs=kwargs, budget=budget,
+                                     session=session, loss_fn=loss_fn) from exc
     for attempt in range(tries):
         report = session.report
         extra = untracked_bytes(report.graph)
@@ -127,9 +134,9 @@ def fit_measured(model: nn.Module, *, make: Callable[[int], Any], run: Callable[
             peak = report.checked_peak_bytes = measured + extra
             session.saw(peak)
         if peak <= budget:
-            if margin:
+            if margin > reserve:
                 report.notes.append(f"planned for {format_bytes(budget - margin)}: a step of the plan for the whole "
-                                    f"budget measured {format_bytes(margin)} more than its prediction")
+                                    f"budget measured {format_bytes(margin - reserve)} more than its prediction")
             return out
         if attempt == tries - 1:
             break

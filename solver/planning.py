@@ -137,9 +137,10 @@ def _plan_step(model: nn.Module, args: tuple, kwargs: dict, *, request: Request,
         step = make(0)
         request.dp.annotate(session.report)
     else:
+        reserve = int(MODULE_RESERVE * cap.budget) if request.mode == "module" else 0
         step = fit_measured(model, make=make, run=lambda s: lambda: s(model, args, kwargs), args=args,
                             kwargs=kwargs, budget=cap.budget, session=session, loss_fn=request.loss_fn,
-                            held_back=held_back)
+                            held_back=held_back, reserve=reserve)
     loss_note(session.report, cap.graph, loss_fn=request.loss_fn)
     planning_note(session.report, cap, session)
     session.publish()
@@ -215,6 +216,11 @@ def measure_within(cap: Captured, *, request: Request, held_back: int = 0) -> Ca
                    planning_peak=max(judged) if judged else None, measured_with=tuple(sequence),
                    solve_start=time.perf_counter())
 
+
+#: module mode plans this fraction of the budget below it, so that the step that checks
+#: a plan measures within the budget: its prediction of eager autograd's lifetimes is
+#: within about 1 % (a gradient-checkpointed GPT measured 0.14 % over its prediction)
+MODULE_RESERVE = 0.01
 
 #: the reference order measures a step when its estimated peak is this far within the
 #: budget: the capture's workspaces are estimates until measured
