@@ -183,73 +183,101 @@ class _IndexedSimulation:
         self.region = [0] * first_bwd + [1] * (len(data) - first_bwd)
         self.forced = [f and (not d.get("recomputable", True) or d.get("output", False))
                        for f, d in zip(self.forward, data)]
+        self.first_bwd = first_bwd
+        # the only values a step after the first backward op can miss: forward values
+        # computed before it (later ones are computed in the backward's region)
+        self.early_preds = [[u for u in p if u < first_bwd] for p in self.preds]
+        counts = np.array([len(p) for p in self.preds], dtype=np.int64)
+        self.pred_count = counts
+        self.pred_start = np.concatenate([[0], np.cumsum(counts)[:-1]]).astype(np.int64)
+        self.pred_flat = np.array([u for p in self.preds for u in p], dtype=np.int64)
+        self.output_arr = np.array(self.output, dtype=bool)
 
     def sequence_from_keep(self, keep: set) -> list:
-        """:func:`solver.plans.sequence_from_keep` with its default order and regions."""
-        kept = list(self.forced)
+        """:func:`solver.plans.sequence_from_keep` with its default order and regions.
+
+        Before the first backward op nothing is missing (the reference order is
+        topological); after it, only a forward value from before it that is not kept
+        and not computed again yet."""
+        fb = self.first_bwd
+        kept = self.forced[:fb]
+        num = self.num
         for v in keep:
-            kept[self.num[v]] = True
-        preds, forward, ids = self.preds, self.forward, self.ids
-        avail: dict[int, int] = {}  # op -> region of its live copy (-1, _KEPT: every region)
-        seq: list[int] = []
-        for i, r in enumerate(self.region):
-            missing = [u for u in preds[i] if avail.get(u) not in (-1, r)]
-            if missing:
-                _recompute_missing(missing, r, avail, seq, preds=preds.__getitem__, forward=forward.__getitem__,
-                                  name=ids.__getitem__)
+            i = num[v]
+            if i < fb:
+                kept[i] = True
+        # op -> region of its live copy (-1: every region); only values before fb are read
+        avail = {i: (-1 if k else 0) for i, k in enumerate(kept)}
+        preds, forward, ids, early = self.preds, self.forward, self.ids, self.early_preds
+        seq: list[int] = list(range(fb))
+        for i in range(fb, len(ids)):
+            e = early[i]
+            if e:
+                missing = [u for u in e if avail[u] == 0]
+                if missing:
+                    _recompute_missing(missing, 1, avail, seq, preds=preds.__getitem__, forward=forward.__getitem__,
+                                      name=ids.__getitem__)
             seq.append(i)
-            avail[i] = -1 if kept[i] or not forward[i] else r
         return [ids[i] for i in seq]
 
     def run(self, sequence: Sequence[Hashable], extra_edges) -> SimulationResult | None:
-        num, preds = self.num, self.preds
+        num = self.num
         try:
-            seq = [num[v] for v in sequence]
+            seq = np.fromiter((num[v] for v in sequence), dtype=np.int64, count=len(sequence))
             extra: dict[int, list] = {}
             for u, v in extra_edges:
                 extra.setdefault(num[v], []).append(num[u])
         except KeyError:
             return None
         n = len(seq)
-        current = [-1] * len(self.ids)
-        ends: list[int] = []
-        seen = bytearray(len(self.ids))
-        recomputations = 0
-        for t, i in enumerate(seq):
-            for u in preds[i] if i not in extra else preds[i] + extra[i]:
-                k = current[u]
-                if k < 0:
-                    return None
-                if ends[k] < t:
-                    ends[k] = t
-            if seen[i]:
-                recomputations += 1
-            seen[i] = 1
-            current[i] = len(ends)
-            ends.append(t)
-        for i, k in enumerate(current):
-            if k >= 0 and self.output[i]:
-                ends[k] = max(n - 1, ends[k])
-        at = np.asarray(seq, dtype=np.int64)
-        size = self.nbytes[at]
+        if n == 0:
+            return SimulationResult(valid=True, error=None, peak_bytes=int(self.fixed), peak_step=0, cost=0.0,
+                                    base_cost=self.base_cost, memory_curve=np.zeros(0, dtype=np.int64),
+                                    recomputations=0)
+        # every read (step, op read): the op's inputs, then the extra edges
+        counts = self.pred_count[seq]
+        steps = np.repeat(np.arange(n, dtype=np.int64), counts)
+        first = np.repeat(self.pred_start[seq] - (np.cumsum(counts) - counts), counts)
+        read = self.pred_flat[first + np.arange(len(steps), dtype=np.int64)]
+        if extra:
+            at = np.flatnonzero(np.isin(seq, np.fromiter(extra, dtype=np.int64)))
+            more = [(t, u) for t in at.tolist() for u in extra[int(seq[t])]]
+            if more:
+                steps = np.concatenate([steps, np.array([t for t, _ in more], dtype=np.int64)])
+                read = np.concatenate([read, np.array([u for _, u in more], dtype=np.int64)])
+        # step t makes copy t; a read takes the latest copy of its op made before t
+        by_op = np.argsort(seq, kind="stable")
+        keys = seq[by_op] * n + by_op
+        pos = np.searchsorted(keys, read * n + steps) - 1
+        if len(pos) and pos.min() < 0:
+            return None
+        copy = by_op[pos]
+        if len(copy) and not np.array_equal(seq[copy], read):
+            return None  # a read of a value not computed yet
+        ends = np.arange(n, dtype=np.int64)
+        np.maximum.at(ends, copy, steps)
+        ops_sorted = seq[by_op]
+        last = np.ones(n, dtype=bool)
+        last[:-1] = ops_sorted[1:] != ops_sorted[:-1]
+        latest = by_op[last]  # the latest copy of each op that ran
+        ends[latest[self.output_arr[ops_sorted[last]]]] = n - 1
+        recomputations = n - len(latest)
+        size = self.nbytes[seq]
         delta = np.zeros(n + 1, dtype=np.int64)
         delta[:n] += size  # the copy made at step t is live from t
-        np.add.at(delta, np.asarray(ends, dtype=np.int64) + 1, -size)
+        np.add.at(delta, ends + 1, -size)
         curve = np.cumsum(delta[:n]) + self.fixed
         cont = np.zeros(n, dtype=bool)
         if n > 1:  # a projection right after an earlier one of its op continues the op's run
-            g, k = self.group_arr[at], self.gidx_arr[at]
+            g, k = self.group_arr[seq], self.gidx_arr[seq]
             cont[1:] = (g[1:] >= 0) & (g[1:] == g[:-1]) & (k[:-1] < k[1:])
-        compute = np.where(cont, self.time_cont[at], self.time_start[at])
-        curve = curve + np.where(cont, self.ws_cont[at], self.ws_start[at])
+        compute = np.where(cont, self.time_cont[seq], self.time_start[seq])
+        curve = curve + np.where(cont, self.ws_cont[seq], self.ws_start[seq])
         cost = float(compute.sum())
-        if n:
-            peak_step = int(np.argmax(curve))
-            peak = int(curve[peak_step])
-        else:
-            peak_step, peak = 0, int(self.fixed)
-        return SimulationResult(valid=True, error=None, peak_bytes=peak, peak_step=peak_step, cost=cost,
-                                base_cost=self.base_cost, memory_curve=curve, recomputations=recomputations)
+        peak_step = int(np.argmax(curve))
+        return SimulationResult(valid=True, error=None, peak_bytes=int(curve[peak_step]), peak_step=peak_step,
+                                cost=cost, base_cost=self.base_cost, memory_curve=curve,
+                                recomputations=recomputations)
 
 
 def block_nodes(graph: ComputeGraph, block: str) -> tuple[list, list]:

@@ -146,14 +146,16 @@ def random_training_graph(
 
 
 def small_graph(
-    kind: int, size: int, seed: int, *, outputs: bool = True, inputs: bool = True
+    kind: int, size: int, seed: int, *, outputs: bool = True, inputs: bool = True, groups: bool = False
 ) -> ComputeGraph:
     """A small random graph for exhaustive checks, with the awkward features turned on.
 
     ``kind`` 0: :func:`random_dag`; 1: :func:`random_training_graph`; 2: a heterogeneous
     :func:`training_chain`. Some ops get a workspace, some are not recomputable, some
     (``outputs``) are step outputs, and sometimes (``inputs``) a source input feeds the
-    first op.
+    first op. With ``groups``, some pairs of ops next to each other in the order become
+    the two projections of one multi-output op (``group``, ``group_time``,
+    ``run_workspace``).
 
     Examples
     --------
@@ -180,6 +182,15 @@ def small_graph(
     if inputs and rng.random() < 0.3:
         g.add_node("x", kind="input", bytes=rng.randint(1, 5))
         g.add_edge("x", g.ops[0])
+    ops = list(g.ops)
+    for k in range(0, len(ops) - 1, 3) if groups else ():
+        if rng.random() < 0.5:
+            pair = ops[k], ops[k + 1]
+            total = sum(g[v]["time"] for v in pair)
+            for idx, v in enumerate(pair):
+                ws = g[v].get("workspace", 0) + rng.randint(0, 4)
+                g[v].update(group=f"op{k}", group_index=idx, group_time=total, workspace=ws,
+                            run_workspace=rng.randint(0, ws))
     return g
 
 
