@@ -80,7 +80,7 @@ LP_BOUND_SECONDS = 2.0
 #: Seconds below which a step that would start is skipped (it could not finish in time).
 MIN_SLICE = 0.3
 #: Share of the time left that staged recomputation may take when nothing fits before it.
-STAGED_SHARE = 0.25
+STAGED_SHARE = 0.4
 
 
 def _registered(name: str):

@@ -66,20 +66,26 @@ class _Plan:
         self.held_bytes = (self.held[:, :n] * nb[:, None]).sum(axis=0)
         self.recompute: list[set[int]] = [set() for _ in range(n)]
         self.transient = np.array([ix.nbytes[v] + ix.workspace[v] for v in self.order], dtype=np.int64)
+        self._room_of, self._room = None, {}
 
     @property
     def memory(self) -> np.ndarray:
         return self.held_bytes + self.transient
 
-    def closure(self, u: int, s: int, limit: float) -> tuple[list[int], float] | None:
+    def closure(self, u: int, s: int, limit: float, slack: np.ndarray | None = None):
         """The values to recompute at stage ``s`` so that ``u`` runs there (``u`` first),
-        with their time; None when one cannot run again, or past ``limit`` seconds of
+        with their time, and the inputs to hold until ``s`` instead (``(value, first
+        stage)``: where ``slack``, the bytes each stage has left under the budget,
+        takes them); None when one cannot run again, or past ``limit`` seconds of
         compute or :data:`MAX_CLOSURE` ops."""
         ix, held, here = self.ix, self.held, self.recompute[s]
-        tm, preds, recomputable = ix.time, ix.preds, ix.recomputable
+        tm, preds, recomputable, nb = ix.time, ix.preds, ix.recomputable, ix.nbytes
         out = [u]
+        kept: list[tuple[int, int]] = []
         seen = {u}
         cost = tm[u]
+        room = None if slack is None else self.room_until(slack, s)
+        taken = 0
         k = 0
         while k < len(out):
             x = out[k]
@@ -87,14 +93,36 @@ class _Plan:
             for q in preds[x]:
                 if q in seen or held[q, s] or q in here:
                     continue
+                seen.add(q)
+                if room is not None:
+                    a = self.last_event(q, s) + 1
+                    if room[a] >= taken + nb[q]:  # every held input overlaps at stage s
+                        taken += nb[q]
+                        kept.append((q, a))
+                        continue
                 if not recomputable[q] or len(out) >= MAX_CLOSURE:
                     return None
-                seen.add(q)
                 out.append(q)
                 cost += tm[q]
                 if cost > limit:
                     return None
-        return out, cost
+        return out, cost, kept
+
+    def room_until(self, slack: np.ndarray, s: int) -> list:
+        """``room[a]``: the least of ``slack`` over the stages ``a..s`` (cached per ``slack``)."""
+        if self._room_of is not slack:
+            self._room_of, self._room = slack, {}
+        got = self._room.get(s)
+        if got is None:
+            got = np.minimum.accumulate(slack[s::-1])[::-1].tolist()
+            self._room[s] = got
+        return got
+
+    def last_event(self, q: int, s: int) -> int:
+        """The last stage before ``s`` that computes or reads ``q``."""
+        us, cs = self.uses[q], self.comps[q]
+        i, j = bisect.bisect_left(us, s), bisect.bisect_left(cs, s)
+        return max(us[i - 1] if i else -1, cs[j - 1] if j else -1)
 
     def stage_peak(self, s: int, extra: Sequence[int] = ()) -> int:
         """Transient bytes of stage ``s`` at its fullest step, with ``extra`` recomputed
@@ -126,11 +154,16 @@ class _Plan:
                 peak = m
         return peak
 
-    def apply(self, u: int, p: int, s: int, members: list[int], transient: int) -> None:
-        """Recompute ``members`` (``u`` first) at stage ``s``; ``u`` leaves after stage ``p``."""
+    def apply(self, u: int, p: int, s: int, members: list[int], kept: list[tuple[int, int]],
+              transient: int) -> None:
+        """Recompute ``members`` (``u`` first) at stage ``s``, holding the ``kept`` inputs
+        until then; ``u`` leaves after stage ``p``."""
         ix = self.ix
         self.held[u, p + 1:s + 1] = False
         self.held_bytes[p + 1:s + 1] -= self.nb[u]
+        for q, a in kept:
+            self.held[q, a:s + 1] = True
+            self.held_bytes[a:s + 1] += self.nb[q]
         here = self.recompute[s]
         for x in members:
             here.add(x)
@@ -157,6 +190,7 @@ def staged_sequence(
     *,
     deadline: float | None = None,
     max_candidates: int = 8,
+    hold: bool = True,
 ) -> list[int] | None:
     """A sequence of ``order`` with recomputations that fits ``budget_bytes``, or None.
 
@@ -174,6 +208,9 @@ def staged_sequence(
         the stage of their recomputation before the step gives up on the strict rule
         (that stage may not go over the budget, or past its own memory when it already
         is) and takes the cheapest that stays below the fullest stage.
+    hold : bool
+        Let a recomputation read an input that is no longer held by holding it longer,
+        where every stage on the way has the room, instead of recomputing it too.
 
     Returns
     -------
@@ -212,7 +249,7 @@ def staged_sequence(
     nb, tm = ix.nbytes, ix.time
     eps = 1e-9 * (sum(tm) / n or 1.0)
     pinned = ix.pinned
-    while True:
+    for _ in range(n * n):
         if deadline is not None and _time.perf_counter() > deadline:
             return None
         mem = plan.memory
@@ -221,6 +258,7 @@ def staged_sequence(
         if peak <= cap:
             return plan.sequence()
         over = np.maximum(mem - cap, 0)
+        slack = np.maximum(cap - mem, 0) if hold else None
         cands = []
         for u in np.flatnonzero(plan.held[:, t_star]).tolist():
             if pinned[u] or not nb[u]:
@@ -245,29 +283,30 @@ def staged_sequence(
             if lb_ratio >= best_ratio and len(scored) >= max_candidates:
                 break
             limit = best_ratio * gain if len(scored) >= max_candidates else float("inf")
-            got = plan.closure(u, s, limit)
+            got = plan.closure(u, s, limit, slack)
             if got is None:
                 continue
-            members, cost = got
+            members, cost, kept = got
             ratio = (cost + eps * len(members)) / gain
-            scored.append((ratio, u, p, s, members))
+            scored.append((ratio, u, p, s, members, kept))
             scored.sort(key=lambda c: c[0])
             del scored[max_candidates:]
             if len(scored) >= max_candidates:
                 best_ratio = scored[-1][0]
         chosen = None
         fallback = None
-        for ratio, u, p, s, members in scored:
+        for ratio, u, p, s, members, kept in scored:
             trans = plan.stage_peak(s, members)
-            new_s = int(plan.held_bytes[s]) - nb[u] + trans
+            new_s = int(plan.held_bytes[s]) - nb[u] + sum(nb[q] for q, _ in kept) + trans
             if new_s <= max(cap, int(mem[s])):
-                chosen = (u, p, s, members, trans)
+                chosen = (u, p, s, members, kept, trans)
                 break
             if fallback is None and new_s < peak:
-                fallback = (u, p, s, members, trans)
+                fallback = (u, p, s, members, kept, trans)
         chosen = chosen or fallback
         if chosen is None:
             log.debug("staged recomputation: no value relieves stage %d (%d B over)", t_star, peak - cap)
             return None
         plan.apply(*chosen)
+    return None
 
