@@ -96,7 +96,8 @@ class _Plan:
                 seen.add(q)
                 if room is not None:
                     a = self.last_event(q, s) + 1
-                    if room[a] >= taken + nb[q]:  # every held input overlaps at stage s
+                    # (a copy recomputed in stage a - 1 would outlive the plan of that stage)
+                    if room[a] >= taken + nb[q] and (a == 0 or q not in self.recompute[a - 1]):
                         taken += nb[q]
                         kept.append((q, a))
                         continue
