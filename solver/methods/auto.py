@@ -8,7 +8,10 @@ The recipe, cheapest first:
    (eviction guided by the stage LP's plan, with its unneeded recomputations removed),
    then ``block_dp`` (each distinct layer block solved exactly, the blocks composed by
    a DP over the chain) where one block repeats :data:`BLOCK_DP_MIN_REPEATS` times;
-4. ``order_search`` (free order) where order freedom matters: forward-only graphs, or
+4. when nothing fits yet, staged recomputation
+   (:func:`~solver.methods.staged.staged_sequence`) on the low-memory orders: it plans
+   the whole memory curve, so it fits budgets where on-demand eviction thrashes;
+   then ``order_search`` (free order) where order freedom matters: forward-only graphs, or
    training graphs whose greedy low-memory order lowers the reference peak; then the
    low-memory recipe of :func:`~solver.methods.minpeak.min_peak_sequence`, which
    reaches every budget that :class:`~solver.InfeasibleBudget` reports;
@@ -42,7 +45,8 @@ from solver.simulate import simulate
 
 __all__ = ["solve_auto", "drop_recomputations", "EXACT_MAX_OPS", "CHAIN_DP_MAX_OPS", "ORDER_GAIN", "BOUND_MAX_OPS",
            "BOUND_LIMITED_MAX_OPS", "SMALL_OPS", "GAP_TOLERANCE", "LP_BOUND_SECONDS",
-           "LP_EVICTION_SECONDS", "BLOCK_DP_SECONDS", "BLOCK_DP_MIN_REPEATS", "DROP_SECONDS"]
+           "LP_EVICTION_SECONDS", "BLOCK_DP_SECONDS", "BLOCK_DP_MIN_REPEATS", "DROP_SECONDS",
+           "STAGED_SHARE"]
 
 log = logging.getLogger(__name__)
 
@@ -75,6 +79,8 @@ BLOCK_DP_MIN_REPEATS = 8
 LP_BOUND_SECONDS = 2.0
 #: Seconds below which a step that would start is skipped (it could not finish in time).
 MIN_SLICE = 0.3
+#: Share of the time left that staged recomputation may take when nothing fits before it.
+STAGED_SHARE = 0.4
 
 
 def _registered(name: str):
@@ -116,8 +122,10 @@ def solve_auto(graph: ComputeGraph, budget: int, *, time_limit: float | None = N
         it holds for the schedule's order freedom: a bound valid in any order
         (``info["bound_scope"] == "free order"``), one that holds when every
         candidate kept the reference order (``"fixed order"``), or the store-all cost
-        when the schedule has no extra compute (``"any order"``). When a candidate
-        reordered, a fixed-order bound goes to ``info["fixed_order_lower_bound"]``.
+        when the schedule has no extra compute (``"any order"``); with extra compute
+        and no better bound, the store-all cost (``"free order"``: a gap of 100 %).
+        When a candidate reordered, a fixed-order bound goes to
+        ``info["fixed_order_lower_bound"]``.
 
     Raises
     ------
@@ -220,6 +228,11 @@ def solve_auto(graph: ComputeGraph, budget: int, *, time_limit: float | None = N
             run("block_dp", "each distinct layer block solved exactly, composed by a DP over the chain",
                 time_limit=max(0.3, min(BLOCK_DP_SECONDS if unlimited else 2 * BLOCK_DP_SECONDS, 0.3 * left())),
                 min_repeats=BLOCK_DP_MIN_REPEATS)
+        # 4a. nothing fits yet: staged recomputation on the low-memory orders (it plans
+        #     the whole memory curve, so it fits budgets where on-demand eviction thrashes)
+        if best[0] is None and left() > MIN_SLICE:
+            _staged(graph, ix, budget, consider, tried, deadline=_time.perf_counter() + STAGED_SHARE * left(),
+                    drop=use_drop)
         # 4. order search where order freedom matters: forward-only graphs, or when a
         #    low-memory order beats the reference peak
         if extra():
@@ -326,6 +339,8 @@ def solve_auto(graph: ComputeGraph, budget: int, *, time_limit: float | None = N
                         sched.info["fixed_order_lower_bound"] = max(lb, sched.info.get("fixed_order_lower_bound", lb))
             except (ImportError, AttributeError, SolverError, ValueError) as exc:
                 log.debug("no lower bound for %s: %s", graph.name, exc)
+    if bound is None and key[0] > base * (1 + 1e-12):
+        bound, scope = base, "free order"  # every schedule runs each op at least once
     sched.lower_bound = bound
     if bound is not None:
         sched.info["bound_scope"] = "any order" if key[0] <= base * (1 + 1e-12) else scope
@@ -334,6 +349,33 @@ def solve_auto(graph: ComputeGraph, budget: int, *, time_limit: float | None = N
                           "winner_seconds": found_at[0], "reordered": {k: v for k, v in reorders.items()}}
     sched.method = f"auto:{picked}"
     return sched
+
+
+def _staged(graph, ix, budget: int, consider, tried: dict, *, deadline: float, drop: bool) -> None:
+    """Offer the cheapest staged recomputation over the low-memory orders (its
+    unneeded recomputations dropped, each order's in turn) to ``consider``."""
+    from solver.methods.minpeak import low_memory_orders
+    from solver.methods.staged import staged_sequence
+
+    best, best_cost = None, None
+    for k, order in enumerate(low_memory_orders(ix, deadline=deadline)):
+        if k and _time.perf_counter() > deadline:
+            break
+        seq = staged_sequence(ix, order, budget, deadline=deadline)
+        if seq is None:
+            continue
+        ids = [ix.ids[i] for i in seq]
+        if drop:
+            slice_s = max(MIN_SLICE, min(DROP_SECONDS, deadline - _time.perf_counter()))
+            ids = drop_recomputations(graph, ids, budget, deadline=_time.perf_counter() + slice_s)
+        cost = simulate(graph, ids).cost
+        if best_cost is None or cost < best_cost:
+            best, best_cost = ids, cost
+    if best is None:
+        tried["staged"] = "NoScheduleFound: no stage plan fits"
+        return
+    consider("staged", Schedule(sequence=best, method="staged", info={"order": "free"}),
+             "staged recomputation: the only plan that relieves every stage over the budget")
 
 
 def _reorders(ix, sequence) -> bool:
