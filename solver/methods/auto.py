@@ -46,7 +46,7 @@ from solver.simulate import simulate
 __all__ = ["solve_auto", "drop_recomputations", "EXACT_MAX_OPS", "CHAIN_DP_MAX_OPS", "ORDER_GAIN", "BOUND_MAX_OPS",
            "BOUND_LIMITED_MAX_OPS", "SMALL_OPS", "GAP_TOLERANCE", "LP_BOUND_SECONDS",
            "LP_EVICTION_SECONDS", "BLOCK_DP_SECONDS", "BLOCK_DP_MIN_REPEATS", "DROP_SECONDS",
-           "STAGED_SHARE"]
+           "STAGED_SHARE", "STAGED_SECONDS", "STAGED_MAX_OPS"]
 
 log = logging.getLogger(__name__)
 
@@ -81,6 +81,11 @@ LP_BOUND_SECONDS = 2.0
 MIN_SLICE = 0.3
 #: Share of the time left that staged recomputation may take when nothing fits before it.
 STAGED_SHARE = 0.4
+#: Without a time limit, seconds at most for staged recomputation (a budget that nothing
+#: reaches is then reported within seconds).
+STAGED_SECONDS = 3.0
+#: Staged recomputation plans on a stage-by-value table: graphs up to this many ops.
+STAGED_MAX_OPS = 3000
 
 
 def _registered(name: str):
@@ -230,9 +235,9 @@ def solve_auto(graph: ComputeGraph, budget: int, *, time_limit: float | None = N
                 min_repeats=BLOCK_DP_MIN_REPEATS)
         # 4a. nothing fits yet: staged recomputation on the low-memory orders (it plans
         #     the whole memory curve, so it fits budgets where on-demand eviction thrashes)
-        if best[0] is None and left() > MIN_SLICE:
-            _staged(graph, ix, budget, consider, tried, deadline=_time.perf_counter() + STAGED_SHARE * left(),
-                    drop=use_drop)
+        if best[0] is None and left() > MIN_SLICE and n <= STAGED_MAX_OPS:
+            share = min(STAGED_SECONDS, STAGED_SHARE * left()) if unlimited else STAGED_SHARE * left()
+            _staged(graph, ix, budget, consider, tried, deadline=_time.perf_counter() + share, drop=use_drop)
         # 4. order search where order freedom matters: forward-only graphs, or when a
         #    low-memory order beats the reference peak
         if extra():
