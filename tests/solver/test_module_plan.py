@@ -139,3 +139,77 @@ def test_the_indexed_simulation_is_the_simulators_arithmetic(kind, size, seed):
                                                                        want.recomputations)
         assert got.cost == pytest.approx(want.cost, rel=1e-12)
         assert got.memory_curve.tolist() == want.memory_curve.tolist()
+
+
+def _same_simulation(got, want):
+    assert (got.peak_bytes, got.peak_step, got.cost, got.base_cost, got.recomputations) == (
+        want.peak_bytes, want.peak_step, want.cost, want.base_cost, want.recomputations)
+    assert got.memory_curve.tolist() == want.memory_curve.tolist()
+
+
+@pytest.mark.parametrize("hold", [False, True], ids=["graph_mode", "eager_lifetimes"])
+def test_a_plan_priced_from_its_pieces_is_its_schedules_simulation(llama, hold):
+    """Every plan of the three layers, with the actions a plan may take."""
+    from solver.module_plan import editable_copy, hold_node_inputs
+
+    graph, blocks = llama
+    if hold:  # module mode's graph: eager autograd's lifetimes as extra edges
+        graph = editable_copy(graph)
+        assert hold_node_inputs(graph) > 0
+    index = BlockIndex(graph, blocks)
+    priced = 0
+    for acts in itertools.product(["none", "full", "selective", "save_matmuls"], repeat=len(blocks)):
+        plan = dict(zip(blocks, acts))
+        got = index.price(plan)
+        assert got is not None  # a transformer's layers compose
+        _same_simulation(got, plan_schedule(graph, plan)[1])
+        priced += 1
+    assert priced == 64
+
+
+@settings(max_examples=80, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@given(kind=st.integers(0, 2), size=st.integers(3, 16), seed=st.integers(0, 10_000), n_blocks=st.integers(1, 3))
+def test_pieces_compose_on_random_graphs_with_random_blocks(kind, size, seed, n_blocks):
+    """Random graphs whose ops fall into blocks at random (a block's backward need not
+    follow its forward): the price from the pieces is the schedule's simulation."""
+    import random
+
+    from solver.synthetic import small_graph
+
+    g = small_graph(kind, size, seed, groups=True)
+    rng = random.Random(seed)
+    blocks = [f"layers.{k}" for k in range(n_blocks)]
+    for v in g.ops:
+        if rng.random() < 0.8:
+            g[v]["module"] = rng.choice(blocks) + rng.choice(["", ".fc"])
+    view = checkpoint_view(g, blocks)
+    index = BlockIndex(view, blocks)
+    for _ in range(6):
+        plan = {b: rng.choice(["none", "full", "selective"]) for b in blocks}
+        _same_simulation(index.price(plan), plan_schedule(view, plan)[1])
+
+
+def test_the_search_on_pieces_picks_what_the_search_on_schedules_picks(monkeypatch):
+    from solver.module_plan import plan_modules
+
+    model, batch = hf_llama(n_layer=4, d=32, n_head=2, seq=64, batch=2, vocab=64)
+    blocks = layer_blocks(model)
+    graph = checkpoint_view(capture(model, batch, backward="loss", measure_time=False), blocks)
+    top = plan_schedule(graph, {b: "none" for b in blocks})[0].peak_bytes
+    low = plan_schedule(graph, {b: "full" for b in blocks})[0].peak_bytes
+    assert low < top
+    for frac in (0.9, 0.6, 0.3, 0.0):
+        budget = int(low + frac * (top - low))
+        priced = []  # what the pieces gave for each plan the search priced
+        with monkeypatch.context() as m:
+            price = BlockIndex.price
+            m.setattr(BlockIndex, "price", lambda self, actions: priced.append(price(self, actions)) or priced[-1])
+            fast = plan_modules(graph, budget, blocks=blocks, actions=["none", "save_matmuls", "full"])
+        with monkeypatch.context() as m:
+            m.setattr(BlockIndex, "price", lambda self, actions: None)
+            plain = plan_modules(graph, budget, blocks=blocks, actions=["none", "save_matmuls", "full"])
+        assert fast.actions == plain.actions
+        assert fast.schedule.sequence == plain.schedule.sequence
+        assert (fast.schedule.peak_bytes, fast.schedule.cost) == (plain.schedule.peak_bytes, plain.schedule.cost)
+        assert fast.evaluations == plain.evaluations == len(priced)
+        assert all(r is not None for r in priced)  # every plan was priced on its pieces
