@@ -183,36 +183,34 @@ class BlockIndex:
         fb = sim.first_bwd
         head: list = []  # recomputed before the first backward op: checkpoint_sequence leaves them there
         at: list = []  # (position, recomputations) gathered before a later backward op
-        extra: dict[int, list] = {}
+        sac: list = []
         for block, action in actions.items():
             if action == LayerAction.NONE:
                 continue
             if action not in CHECKPOINTED:
                 return None
-            pieces = self._pieces(block, action)
-            if pieces is None:
-                return None
-            chunks, sac = pieces
-            later = [c for t, c in chunks if t > fb]
-            head.extend(c for t, c in chunks if t == fb)
-            if later:
-                at.append((next(t for t, _ in chunks if t > fb), np.concatenate(later)))
-            for u, v in sac:
-                extra.setdefault(v, []).append(u)
-        n = len(sim.ids)
-        parts = [np.arange(fb, dtype=np.int64)] + head
+            first, later, edges = self._pieces(block, action)
+            head.extend(first)
+            if later is not None:
+                at.append(later)
+            if edges is not None:
+                sac.append(edges)
+        parts = [sim.everywhere[:fb]] + head
         prev = fb
         for t, chunk in sorted(at, key=lambda tc: tc[0]):
-            parts.append(np.arange(prev, t, dtype=np.int64))
+            parts.append(sim.everywhere[prev:t])
             parts.append(chunk)
             prev = t
-        parts.append(np.arange(prev, n, dtype=np.int64))
-        return sim.run_numbered(np.concatenate(parts), extra)
+        parts.append(sim.everywhere[prev:])
+        once = (np.concatenate([u for u, _ in sac]), np.concatenate([v for _, v in sac])) if sac else None
+        return sim.run_numbered(np.concatenate(parts), once=once)
 
-    def _pieces(self, block: str, action: str) -> tuple[list, list]:
-        """(chunks, sac edges) of one checkpointed block, numbered: ``chunks`` are
-        (backward op, recomputations made just before it) in the order of the backward;
-        ``sac`` the selective rule's edges (:func:`_sac_edges`)."""
+    def _pieces(self, block: str, action: str) -> tuple[list, tuple | None, tuple | None]:
+        """What one checkpointed block adds to a plan's sequence, numbered: the
+        recomputations made before the first backward op (where
+        :func:`checkpoint_sequence` leaves them), the later ones as (the backward op
+        before which they are gathered, the ops), and the selective rule's edges
+        (:func:`_sac_edges`) as arrays (inputs, readers; a reader is a backward op)."""
         key = ("pieces", block, action)
         if key in self._drop:
             return self._drop[key]
@@ -232,8 +230,13 @@ class BlockIndex:
                 _recompute_missing(need, 1, avail, seq, preds=sim.preds.__getitem__,
                                    forward=sim.forward.__getitem__, name=sim.ids.__getitem__)
                 chunks.append((r, np.array(seq, dtype=np.int64)))
-        edges = _sac_edges(self.graph, {block: action}, self.graph.ops, index=self) or []
-        self._drop[key] = pieces = (chunks, [(num[u], num[v]) for u, v in edges])
+        edges = _sac_edges(self.graph, {block: action}, self.graph.ops, index=self)
+        later = [c for t, c in chunks if t > fb]
+        pieces = ([c for t, c in chunks if t == fb],
+                  (next(t for t, _ in chunks if t > fb), np.concatenate(later)) if later else None,
+                  (np.array([num[u] for u, _ in edges], dtype=np.int64),
+                   np.array([num[v] for _, v in edges], dtype=np.int64)) if edges else None)
+        self._drop[key] = pieces
         return pieces
 
 
@@ -277,6 +280,7 @@ class _IndexedSimulation:
         self.pred_start = np.concatenate([[0], np.cumsum(counts)[:-1]]).astype(np.int64)
         self.pred_flat = np.array([u for p in self.preds for u in p], dtype=np.int64)
         self.output_arr = np.array(self.output, dtype=bool)
+        self.everywhere = np.arange(len(self.ids), dtype=np.int64)
         self.succs: list[list[int]] = [[] for _ in self.ids]
         for v, p in enumerate(self.preds):
             for u in p:
@@ -320,8 +324,10 @@ class _IndexedSimulation:
             return None
         return self.run_numbered(seq, extra)
 
-    def run_numbered(self, seq: np.ndarray, extra: Mapping[int, list]) -> SimulationResult | None:
-        """:meth:`run` on op numbers; ``extra``: op -> the ops it also reads."""
+    def run_numbered(self, seq: np.ndarray, extra: Mapping[int, list] | None = None, *,
+                     once: tuple[np.ndarray, np.ndarray] | None = None) -> SimulationResult | None:
+        """:meth:`run` on op numbers; ``extra``: op -> the ops it also reads; ``once``:
+        arrays ``(u, v)`` of more such reads, ``v`` an op that runs once at most."""
         n = len(seq)
         if n == 0:
             return SimulationResult(valid=True, error=None, peak_bytes=int(self.fixed), peak_step=0, cost=0.0,
@@ -339,21 +345,36 @@ class _IndexedSimulation:
                 steps = np.concatenate([steps, np.array([t for t, _ in more], dtype=np.int64)])
                 read = np.concatenate([read, np.array([u for _, u in more], dtype=np.int64)])
         # step t makes copy t; a read takes the latest copy of its op made before t
-        by_op = np.argsort(seq, kind="stable")
-        keys = seq[by_op] * n + by_op
-        pos = np.searchsorted(keys, read * n + steps) - 1
-        if len(pos) and pos.min() < 0:
-            return None
-        copy = by_op[pos]
-        if len(copy) and not np.array_equal(seq[copy], read):
-            return None  # a read of a value not computed yet
-        ends = np.arange(n, dtype=np.int64)
+        everywhere = np.arange(n, dtype=np.int64)
+        last = np.full(len(self.ids), -1, dtype=np.int64)
+        last[seq] = everywhere  # of repeated indices, the last assignment holds
+        if once is not None and len(once[0]):
+            at = last[once[1]]
+            steps = np.concatenate([steps, at[at >= 0]])
+            read = np.concatenate([read, once[0][at >= 0]])
+        ran = np.flatnonzero(last >= 0)
+        latest = last[ran]  # the latest copy of each op that ran
+        if np.bincount(seq).max() <= 2:
+            # at most two copies of an op (a plan's one recomputation): the read takes
+            # the second where it is made before the read, else the first
+            first = np.full(len(self.ids), n, dtype=np.int64)
+            first[seq[::-1]] = everywhere[::-1]
+            before, second = first[read], last[read]
+            if len(read) and (before >= steps).any():
+                return None  # a read of a value not computed yet
+            copy = np.where(second < steps, second, before)
+        else:
+            by_op = np.argsort(seq, kind="stable")
+            keys = seq[by_op] * n + by_op
+            pos = np.searchsorted(keys, read * n + steps) - 1
+            if len(pos) and pos.min() < 0:
+                return None
+            copy = by_op[pos]
+            if len(copy) and not np.array_equal(seq[copy], read):
+                return None  # a read of a value not computed yet
+        ends = everywhere.copy()
         np.maximum.at(ends, copy, steps)
-        ops_sorted = seq[by_op]
-        last = np.ones(n, dtype=bool)
-        last[:-1] = ops_sorted[1:] != ops_sorted[:-1]
-        latest = by_op[last]  # the latest copy of each op that ran
-        ends[latest[self.output_arr[ops_sorted[last]]]] = n - 1
+        ends[latest[self.output_arr[ran]]] = n - 1
         recomputations = n - len(latest)
         size = self.nbytes[seq]
         delta = np.zeros(n + 1, dtype=np.int64)
