@@ -3,9 +3,11 @@
 For a tiny Hugging Face Llama (``LlamaConfig``, hidden 64, 4 heads, seq 128, batch 4,
 vocab 256, random weights, built from the config) with 4, 8, 16 and 32 layers, each in a
 fresh process with ``torch.set_num_threads(1)``: ``solver.optimize(model, budget,
-batch)`` at half the store-all peak of its captured step (a fixed fraction: a budget
-from the timed lowest-peak search would move with the machine's load), timed in
-process CPU time and split into
+batch, mode=mode)`` at half the store-all peak of its captured step (a fixed fraction: a
+budget from the timed lowest-peak search would move with the machine's load), in graph
+mode (the default) and in module mode (a plan per layer; a model of more than five
+alike layers is captured and measured on four of them), timed in process CPU time and
+split into
 
 * capture: the training step traced and cost-annotated (``graphs.capture``, its
   fixed charges and the store-all simulation);
@@ -20,8 +22,9 @@ The store-all peak that sets the budget comes from a capture in the same process
 before the timed call (with the smallest feasible peak found, for the record); the
 timed call captures again from scratch.
 
-Run: ``python benchmarks/planning.py [--layers 4 8 16 32]``. Prints a Markdown table and
-writes ``benchmarks/results/planning.json``. Goal: 32 layers in 10 s, checks included.
+Run: ``python benchmarks/planning.py [--layers 4 8 16 32] [--modes graph module]``. Prints
+a Markdown table and writes ``benchmarks/results/planning.json``. Goal: 32 layers in
+10 s, checks included.
 """
 
 from __future__ import annotations
@@ -60,7 +63,7 @@ class _Clock:
         return timed
 
 
-def _run(layers: int, queue) -> None:
+def _run(layers: int, mode: str, queue) -> None:
     sys.path.insert(0, str(ROOT))
     import torch
 
@@ -93,44 +96,48 @@ def _run(layers: int, queue) -> None:
     checks.measured_peak = clock.wrap("measured_peak", checks.measured_peak)
     planning.measured_peak = clock.wrap("measured_peak", planning.measured_peak)
     t0 = time.process_time()
-    fast = solver.optimize(model, budget / GiB, batch)
+    fast = solver.optimize(model, budget / GiB, batch, mode=mode)
     total = time.process_time() - t0
     report = getattr(fast, "report", None)
     cap, sol, meas = (clock.spent.get(k, 0.0) for k in ("capture", "solve", "measure"))
-    queue.put(dict(model=f"hf-llama d{CONFIG['d']}", layers=layers, nodes=nodes, budget_bytes=int(budget),
+    queue.put(dict(model=f"hf-llama d{CONFIG['d']}", mode=mode, layers=layers, nodes=nodes, budget_bytes=int(budget),
                    store_all_bytes=int(store_all), smallest_feasible_bytes=int(smallest), capture_s=round(cap, 2), solve_s=round(sol, 2),
                    measure_s=round(meas, 2), check_s=round(total - cap - sol - meas, 2), total_s=round(total, 2),
                    check_parts={k: round(clock.spent.get(k, 0.0), 2) for k in ("rewrite", "self_check",
                                                                                  "measured_peak")},
-                   method=getattr(report, "method", None), torch=torch.__version__))
+                   method=getattr(report, "method", None), overhead=getattr(report, "predicted_overhead", None),
+                   torch=torch.__version__))
 
 
 def main(argv=None) -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--layers", type=int, nargs="+", default=[4, 8, 16, 32])
+    ap.add_argument("--modes", nargs="+", default=["graph", "module"], choices=["graph", "module"])
     args = ap.parse_args(argv)
     ctx = mp.get_context("spawn")
     rows = []
-    for layers in args.layers:
-        queue = ctx.Queue()
-        proc = ctx.Process(target=_run, args=(layers, queue))
-        proc.start()
-        rows.append(queue.get())
-        proc.join()
-        print(f"{layers} layers: {rows[-1]['total_s']} s", file=sys.stderr)
-    print("| model | layers | capture s | measure s | solve s | check s | total s |")
-    print("|---|---|---|---|---|---|---|")
+    for mode in args.modes:
+        for layers in args.layers:
+            queue = ctx.Queue()
+            proc = ctx.Process(target=_run, args=(layers, mode, queue))
+            proc.start()
+            rows.append(queue.get())
+            proc.join()
+            print(f"{mode} mode, {layers} layers: {rows[-1]['total_s']} s", file=sys.stderr)
+    print("| model | mode | layers | capture s | measure s | solve s | check s | total s | extra compute |")
+    print("|---|---|---|---|---|---|---|---|---|")
     for r in rows:
-        print(f"| {r['model']} | {r['layers']} | {r['capture_s']:.2f} | {r['measure_s']:.2f} | {r['solve_s']:.2f} "
-              f"| {r['check_s']:.2f} | {r['total_s']:.2f} |")
+        extra = "" if r["overhead"] is None else f"+{100 * r['overhead']:.2f} %"
+        print(f"| {r['model']} | {r['mode']} | {r['layers']} | {r['capture_s']:.2f} | {r['measure_s']:.2f} "
+              f"| {r['solve_s']:.2f} | {r['check_s']:.2f} | {r['total_s']:.2f} | {extra} |")
     print()
-    print("| layers | check: rewrite s | self-check s | measured peaks s | rest s |")
-    print("|---|---|---|---|---|")
+    print("| mode | layers | check: rewrite s | self-check s | measured peaks s | rest s |")
+    print("|---|---|---|---|---|---|")
     for r in rows:
         parts = r["check_parts"]
         rest = r["check_s"] - sum(parts.values())
-        print(f"| {r['layers']} | {parts['rewrite']:.2f} | {parts['self_check']:.2f} | {parts['measured_peak']:.2f} "
-              f"| {rest:.2f} |")
+        print(f"| {r['mode']} | {r['layers']} | {parts['rewrite']:.2f} | {parts['self_check']:.2f} "
+              f"| {parts['measured_peak']:.2f} | {rest:.2f} |")
     RESULTS.parent.mkdir(parents=True, exist_ok=True)
     RESULTS.write_text(json.dumps(dict(goal_s=GOAL_S, config=CONFIG, clock="process CPU time, 1 thread",
                                        rows=rows), indent=2) + "\n")

@@ -57,7 +57,7 @@ import networkx as nx
 from graphs.errors import GraphFormatError
 from graphs.units import format_bytes as _fmt_bytes, format_count as _fmt_num
 
-__all__ = ["ComputeGraph", "SCHEMA_VERSION", "BACKWARD_START"]
+__all__ = ["ComputeGraph", "SCHEMA_VERSION", "BACKWARD_START", "repeated_note"]
 
 SCHEMA_VERSION = 1
 #: Node id (and ``op``) of the step where the backward starts; it has no fx node.
@@ -580,3 +580,19 @@ def _json_default(obj: Any) -> Any:
     if isinstance(obj, (set, frozenset, tuple)):
         return list(obj)
     return str(obj)
+
+
+def repeated_note(graph: ComputeGraph) -> str | None:
+    """What a report says of a DAG written by :func:`graphs.repeated.repeat_layers` (None for another).
+
+    Examples
+    --------
+    >>> g = ComputeGraph(); g.meta["repeated"] = {"layers": 32, "template": "layers.2", "captured": 4}
+    >>> repeated_note(g)
+    'captured 4 of the 32 layers; layers.2 repeated as every middle layer (they are alike)'
+    """
+    r = graph.meta.get("repeated")
+    if not r:
+        return None
+    return f"captured {r['captured']} of the {r['layers']} layers; {r['template']} repeated as every middle layer " \
+           "(they are alike)"

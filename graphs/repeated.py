@@ -11,7 +11,9 @@ layer after them. Node ids of the copies are the template's with ``@<layer>``; t
 copies' ``module`` and ``name`` name their own layer.
 
 The result is a DAG for pricing (the solvers, the trainer policies, ``estimate``): it
-has no fx graph to run (``cg.fx`` and ``cg.capture_info`` are None).
+has no fx graph to run (``cg.fx`` and ``cg.capture_info`` are None). What must run (op
+times and workspaces measured on real tensors) runs on the cut model's capture, which
+:func:`capture_cut` keeps beside the whole DAG, and its figures are copied onto it.
 """
 
 from __future__ import annotations
@@ -19,13 +21,14 @@ from __future__ import annotations
 import copy
 import logging
 import re
+from dataclasses import dataclass
 from typing import Any, Callable, Hashable, Sequence
 
 import torch
 
 from graphs.compute_graph import BACKWARD_START, ComputeGraph
 
-__all__ = ["capture_repeated", "repeated_layers", "repeat_layers"]
+__all__ = ["capture_repeated", "capture_cut", "CutCapture", "repeated_layers", "repeat_layers"]
 
 log = logging.getLogger(__name__)
 
@@ -144,6 +147,89 @@ def capture_repeated(model: torch.nn.Module, example_inputs: Any, *, blocks: Seq
     >>> len(cg.ops) == len(capture(net, (torch.randn(2, 8),), measure_time=False).ops)
     True
     """
+    cut = capture_cut(model, example_inputs, blocks=blocks, capture=capture, **options)
+    return None if cut is None else cut.whole
+
+
+#: the op figures that measuring a capture writes (:func:`graphs.capture.set_op_costs`)
+_MEASURED = ("time", "workspace", "run_workspace", "group_time")
+
+
+@dataclass
+class CutCapture:
+    """A capture of a model cut to four of its layers, and the DAG of the whole model
+    written from it (:func:`repeat_layers`).
+
+    Attributes
+    ----------
+    cut : ComputeGraph
+        The cut model's capture: it runs (``cut.fx``, ``cut.capture_info``), on the
+        model's own parameters.
+    whole : ComputeGraph
+        The whole model's DAG, for pricing.
+    """
+
+    cut: ComputeGraph
+    whole: ComputeGraph
+
+    @property
+    def resident_gap(self) -> int:
+        """Bytes of the sources (parameters, buffers, inputs) that the whole model's step
+        holds beyond the cut one's: the layers that were not captured."""
+        def held(g: ComputeGraph) -> int:
+            return int(sum(g.nx.nodes[v]["bytes"] for v in g.sources))
+
+        return held(self.whole) - held(self.cut)
+
+    def copy_costs(self) -> int:
+        """Write the cut capture's op figures (times, workspaces: measured on it, say)
+        onto the whole DAG, each copy of the template layer taking its template's, and
+        the figures' sources (``meta["time_source"]``, ``["workspace_source"]``).
+
+        Returns
+        -------
+        int
+            Op nodes of the whole DAG written.
+        """
+        cut, whole = self.cut.nx.nodes, self.whole.nx.nodes
+        written = 0
+        for w in self.whole.ops:
+            v = w if w in cut else str(w).rpartition("@")[0]
+            if v not in cut:  # pragma: no cover - repeat_layers names every copy so
+                raise KeyError(f"{w!r} has no template node in the cut capture")
+            for key in _MEASURED:
+                if key in cut[v]:
+                    whole[w][key] = cut[v][key]
+            written += 1
+        for key in ("time_source", "workspace_source"):
+            if key in self.cut.meta:
+                self.whole.meta[key] = self.cut.meta[key]
+        return written
+
+
+def capture_cut(model: torch.nn.Module, example_inputs: Any, *, blocks: Sequence[str],
+                capture: Callable[..., ComputeGraph], **options: Any) -> CutCapture | None:
+    """:func:`capture_repeated`, keeping the capture of the cut model beside the DAG.
+
+    Parameters
+    ----------
+    model, example_inputs, blocks, capture, **options
+        As for :func:`capture_repeated`.
+
+    Returns
+    -------
+    CutCapture or None
+        None where :func:`capture_repeated` gives None.
+
+    Examples
+    --------
+    >>> from graphs.capture import capture
+    >>> net = torch.nn.Sequential(*[torch.nn.Linear(8, 8) for _ in range(6)])
+    >>> cc = capture_cut(net, (torch.randn(2, 8),), blocks=[str(i) for i in range(6)], capture=capture,
+    ...                  measure_time=False)
+    >>> len(cc.cut.ops) < len(cc.whole.ops), cc.resident_gap == 2 * (8 * 8 + 8) * 4
+    (True, True)
+    """
     found = repeated_layers(model, blocks)
     if found is None:
         return None
@@ -154,7 +240,8 @@ def capture_repeated(model: torch.nn.Module, example_inputs: Any, *, blocks: Seq
         cg = capture(short, example_inputs, **options)
     except Exception as exc:  # the cut model may not run where the whole one does: capture that
         return _differ(f"the model cut to {_KEPT} layers does not capture ({type(exc).__name__}: {exc})")
-    return repeat_layers(cg, parent=parent, count=n)
+    whole = repeat_layers(cg, parent=parent, count=n)
+    return None if whole is None else CutCapture(cut=cg, whole=whole)
 
 
 def _differ(why: str) -> None:

@@ -18,12 +18,13 @@ from torch import nn
 
 from graphs import CaptureError, ComputeGraph, RematError
 from graphs.capture import capture
-from graphs.compute_graph import BACKWARD_START
+from graphs.compute_graph import BACKWARD_START, repeated_note
 from graphs.fixed import charge
 from graphs.loss import charge_loss
 from graphs.graph_mode import ScheduledStep
 from graphs.module_mode import layer_blocks
 from graphs.planned import ModuleStep
+from graphs.repeated import capture_cut
 from graphs.rewrite import replay_random_ops
 from graphs.units import format_bytes
 from solver.checks import Session, fit_measured, measured_peak, self_check
@@ -78,6 +79,7 @@ class Captured:
     planning_peak: int | None = None  # the allocator's peak of the measuring run (untracked bytes included)
     measure_seconds: float = 0.0  # measuring op times and workspaces (measure_within)
     measured_with: tuple | None = None  # the schedule the measuring run ran
+    cut: Any = None  # graphs.repeated.CutCapture: ``graph`` was written from a capture of four layers
 
 
 def plan_step(model: nn.Module, args: tuple, kwargs: dict, *, request: Request, session: Session,
@@ -153,10 +155,14 @@ def capture_step(model: nn.Module, args: tuple, kwargs: dict, *, request: Reques
     tensors nothing runs yet: times and workspaces are measured by
     :func:`measure_within`, in a schedule that fits."""
     t0 = time.perf_counter()
+    options = dict(example_kwargs=kwargs, backward="outputs", measure_time=False, measure_workspace=False,
+                   inplace="functional" if request.mode == "graph" else "alias")
+    cut = None
+    if request.mode == "module" and request.dp is None:
+        # a layer plan is priced on the DAG alone: alike middle layers are captured once
+        cut = capture_cut(model, args, blocks=request.blocks or layer_blocks(model), capture=capture, **options)
     try:
-        cg = capture(model, args, example_kwargs=kwargs, backward="outputs", measure_time=False,
-                     measure_workspace=False,
-                     inplace="functional" if request.mode == "graph" else "alias")
+        cg = cut.whole if cut is not None else capture(model, args, **options)
     except CaptureError as exc:
         if request.mode == "graph" and "mode='module'" not in str(exc):
             raise CaptureError(f"{exc} (graph mode needs one graph of the step; mode='module' "
@@ -177,7 +183,7 @@ def capture_step(model: nn.Module, args: tuple, kwargs: dict, *, request: Reques
         act_budget = budget
         budget = budget + cg.fixed_bytes + cg.grad_bytes
     return Captured(graph=cg, budget=budget, activation_budget=act_budget, store_all=simulate(cg, cg.order).peak_bytes,
-                    capture_seconds=capture_s, solve_start=time.perf_counter())
+                    capture_seconds=capture_s, solve_start=time.perf_counter(), cut=cut)
 
 
 def measure_within(cap: Captured, *, request: Request, held_back: int = 0) -> Captured:
@@ -197,24 +203,30 @@ def measure_within(cap: Captured, *, request: Request, held_back: int = 0) -> Ca
     from graphs.measured import measure_in_schedule
 
     cg = cap.graph
-    if not cg.capture_info.real:
+    # a DAG written from a capture of four layers is measured on that capture, whose run
+    # holds the parameters of four layers: the rest of the model's are resident beside it
+    run_on, beside = (cap.cut.cut, cap.cut.resident_gap) if cap.cut is not None else (cg, 0)
+    if not run_on.capture_info.real:
         if request.measure_time:
             raise CaptureError("measure_time=True needs real parameters and inputs; the model or inputs are "
                                "fake/meta (use measure_time=False for roofline times)")
         return cap
     t0 = time.perf_counter()
     target, times = cap.budget - held_back, request.measure_time is not False
-    store_all = simulate(cg, cg.order).peak_bytes  # by the capture's estimates
+    # the cut capture carries none of the step's charges (optimizer state, loss, seed)
+    more = beside + (cg.meta.get("extra_fixed_bytes", 0) if cap.cut is not None else 0)
+    store_all = simulate(run_on, run_on.order).peak_bytes + more  # by the capture's estimates
     if store_all <= MEASURE_MARGIN * target:
-        sequence = list(cg.order)
-        peaks = [measure_in_schedule(cg, sequence, times=times).peak_bytes]
+        sequence = list(run_on.order)
     else:  # schedules of a view whose random ops may run again, as the rewrite replays them
-        sequence = lowest_peak_sequence(replayed_view(cg), target=int(target))
-        peaks = [measure_in_schedule(cg, sequence, times=times).peak_bytes]
-    judged = [p + untracked_bytes(cg) for p in peaks if p is not None]
+        sequence = lowest_peak_sequence(replayed_view(run_on), target=int(target - more))
+    peaks = [measure_in_schedule(run_on, sequence, times=times).peak_bytes]
+    if cap.cut is not None:
+        cap.cut.copy_costs()
+    judged = [p + untracked_bytes(cg) + beside for p in peaks if p is not None]
     return replace(cap, store_all=simulate(cg, cg.order).peak_bytes, measure_seconds=time.perf_counter() - t0,
-                   planning_peak=max(judged) if judged else None, measured_with=tuple(sequence),
-                   solve_start=time.perf_counter())
+                   planning_peak=max(judged) if judged else None,
+                   measured_with=tuple(sequence) if cap.cut is None else None, solve_start=time.perf_counter())
 
 
 #: module mode plans this fraction of the budget below it, so that the step that checks
@@ -266,6 +278,8 @@ def lowest_peak_sequence(cg: ComputeGraph, *, target: int | None = None) -> list
 def planning_note(report: Report, cap: Captured, session: Session) -> None:
     """Say in the report when op workspaces are estimates, and when planning's own runs
     peaked over the budget, by the allocator, and which."""
+    if cap.cut is not None:
+        report.notes.append(f"{repeated_note(cap.graph)}; op times and workspaces measured on those layers")
     if cap.graph.meta.get("workspace_source") == "estimated":
         report.notes.append("op workspaces are estimated per op family (fake or meta inputs; "
                             "graphs.costs.WORKSPACE_ESTIMATES): plan on a real batch to measure them")

@@ -23,6 +23,7 @@ from typing import TYPE_CHECKING, Any, Sequence
 import numpy as np
 
 from graphs.actions import TRAINER_ACTIONS, LayerAction
+from graphs.compute_graph import repeated_note
 from graphs.fixed import charge
 from graphs.hardware import Hardware, get_hardware
 from graphs.units import GiB, format_bytes, format_count
@@ -525,10 +526,9 @@ class GraphPlanner:
         self.allow_offload = bool(allow_offload)
         self.graph = captured.graph
         self.capture_seconds = captured.capture_seconds
-        repeated = self.graph.meta.get("repeated")
+        repeated = repeated_note(self.graph)
         if repeated:
-            self.notes.append(f"captured {repeated['captured']} of the {repeated['layers']} layers; "
-                              f"{repeated['template']} repeated as every middle layer (they are alike)")
+            self.notes.append(repeated)
         _, _, o_b = analytic.state_bytes_per_parameter(captured.element_size, self.optimizer)
         self.optimizer_bytes = int(captured.trainable_numel * o_b)
         # DDP's gradient buckets: one more copy of the gradients; under FSDP2 rank_peak

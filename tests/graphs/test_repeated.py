@@ -132,3 +132,30 @@ def test_a_model_that_cannot_be_cut_is_captured_whole():
     blocks = layer_blocks(net)
     assert repeated_layers(net, blocks) is not None
     assert capture_repeated(net, (torch.randn(2, 4),), blocks=blocks, capture=capture, measure_time=False) is None
+
+
+def test_figures_measured_on_the_cut_capture_reach_every_copy():
+    """Module mode measures a model of alike layers on four of them (real tensors) and
+    copies each figure onto the whole DAG: a copy of the template takes its template's."""
+    from examples.models import hf_llama
+    from graphs.measured import measure_in_schedule
+    from graphs.repeated import capture_cut
+
+    model, batch = hf_llama(n_layer=LAYERS, d=32, n_head=2, seq=16, batch=2, vocab=64)
+    blocks = layer_blocks(model)
+    cc = capture_cut(model, (), blocks=blocks, capture=capture, example_kwargs=batch, backward="outputs",
+                     measure_time=False, measure_workspace=False)
+    assert cc is not None and cc.cut.fx is not None and cc.whole.fx is None
+    per_layer = sum(p.numel() * p.element_size() for p in model.model.layers[3].parameters())
+    assert cc.resident_gap == (LAYERS - 4) * per_layer  # layers 3 .. L-2 are not in the cut model
+    before = {v: cc.whole[v]["time"] for v in cc.whole.ops}
+    measure_in_schedule(cc.cut, list(cc.cut.order), times=True, repeats=1)
+    assert cc.copy_costs() == len(cc.whole.ops)
+    assert cc.whole.meta["time_source"] == cc.whole.meta["workspace_source"] == "measured"
+    copies = [v for v in cc.whole.ops if v not in cc.cut.nx]
+    named = [cc.whole[v]["module"] for v in copies if cc.whole[v].get("module")]
+    assert named and all(m.startswith(("model.layers.3", "model.layers.4")) for m in named)
+    for v in cc.whole.ops:
+        template = cc.cut[v if v in cc.cut.nx else v.rpartition("@")[0]]
+        assert cc.whole[v]["time"] == template["time"] and cc.whole[v]["workspace"] == template["workspace"]
+    assert sum(before[v] != cc.whole[v]["time"] for v in cc.whole.ops) > len(cc.whole.ops) // 2  # they changed

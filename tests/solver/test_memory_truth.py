@@ -3,6 +3,7 @@ the closed loop on the real training step (:mod:`solver.watch`)."""
 
 from __future__ import annotations
 
+import copy
 import warnings
 
 import pytest
@@ -224,3 +225,64 @@ def test_on_meta_tensors_the_report_says_the_workspaces_are_estimated():
     real, (y,) = models.unet_bn(batch=4, width=8, size=32)
     measured = solver.optimize(real, 1.0, (y,), measure_time=False).report
     assert not any("workspaces are estimated" in n for n in measured.notes)
+
+
+def test_module_mode_prices_a_model_of_alike_layers_as_a_capture_of_every_layer(monkeypatch):
+    """Module mode captures four of six alike layers and writes the rest: the step it
+    plans on is the whole capture's (ops, charges, store-all peak, every layer plan)."""
+    import solver.planning as planning
+    from graphs.module_mode import layer_blocks
+    from solver.module_plan import checkpoint_view, plan_modules, plan_schedule
+
+    model, batch = models.hf_llama(n_layer=6, d=32, n_head=2, seq=32, batch=2, vocab=64)
+    request = planning.Request(mode="module", budget=1 << 30, optimizer_bytes=12345)
+    cut = planning.capture_step(model, (), batch, request=request)
+    with monkeypatch.context() as m:
+        m.setattr(planning, "capture_cut", lambda *a, **k: None)
+        whole = planning.capture_step(model, (), batch, request=request)
+    assert cut.cut is not None and whole.cut is None
+    a, b = cut.graph, whole.graph
+    assert (len(a.ops), a.nx.number_of_edges(), a.fixed_bytes, a.grad_bytes) == (
+        len(b.ops), b.nx.number_of_edges(), b.fixed_bytes, b.grad_bytes)
+    assert cut.store_all == whole.store_all
+    blocks = layer_blocks(model)
+    va, vb = checkpoint_view(a, blocks), checkpoint_view(b, blocks)
+    for plan in (["full"] * 6, ["save_matmuls", "none", "full", "full", "selective", "none"]):
+        pa, pb = (plan_schedule(v, dict(zip(blocks, plan)))[0] for v in (va, vb))
+        assert (pa.peak_bytes, len(pa.sequence)) == (pb.peak_bytes, len(pb.sequence)), plan
+        assert pa.cost == pytest.approx(pb.cost, rel=1e-9)
+    low = plan_schedule(vb, {k: "full" for k in blocks})[0].peak_bytes
+    budget = (low + whole.store_all) // 2
+    ma, mb = plan_modules(a, budget, blocks=blocks), plan_modules(b, budget, blocks=blocks)
+    assert ma.actions == mb.actions and ma.schedule.peak_bytes == mb.schedule.peak_bytes
+
+
+@pytest.mark.parametrize("frac", [0.7, 0.5])
+def test_module_mode_on_alike_layers_fits_from_the_first_step(frac):
+    """Planned on a capture of four of six layers, measured on those four: the real step
+    of all six fits and is predicted, and planning's own runs stay within the budget."""
+    model, batch = models.hf_llama(n_layer=6, d=64, n_head=4, seq=64, batch=4, vocab=256)
+    reference = copy.deepcopy(model)
+    for p in model.parameters():
+        p.grad = None
+    with AllocatorPeak(model, batch) as judge:
+        model(**batch).loss.backward()
+    for p in model.parameters():
+        p.grad = None
+    budget = frac * judge.peak_bytes
+    fast = solver.optimize(model, budget / GiB, batch, mode="module")
+    assert any(n.startswith("captured 4 of the 6 layers") for n in fast.report.notes), fast.report.notes
+    _planning_fits(fast.report, budget, "module")
+    out = fast(**batch)
+    out.loss.backward()
+    del out
+    torch.optim.SGD(fast.parameters(), lr=0.0).step()
+    report = fast.report
+    assert report.step_peak_bytes <= budget, (report.step_peak_bytes, budget)
+    assert abs(report.predicted_peak_bytes - report.step_peak_bytes) <= 0.03 * report.step_peak_bytes, \
+        (report.predicted_peak_bytes, report.step_peak_bytes)
+    actions = [line.split()[-1] for line in report.decisions.splitlines()[1:]]
+    assert len(actions) == 6 and any(a != "none" for a in actions)  # the budget asked for checkpoints
+    reference(**batch).loss.backward()
+    for (name, p), q in zip(model.named_parameters(), reference.parameters()):
+        assert torch.equal(p.grad, q.grad), name
