@@ -13,7 +13,8 @@ split into
   fixed charges and the store-all simulation);
 * measure: op times and workspaces measured on the batch, in schedules that fit the
   budget (``planning.measure_within``);
-* solve: the schedule searched (``solver.solve``);
+* solve: the schedule searched (``solver.solve``; module mode: the per-layer search,
+  ``solver.module_plan.plan_modules``);
 * check: the rest: the rewrite built (graph mode compiles the capture's joint export
   for the schedule), its gradients checked against the model's, the peaks of real steps
   measured, the report (the second table splits it).
@@ -88,6 +89,7 @@ def _run(layers: int, mode: str, queue) -> None:
     clock = _Clock()
     planning.capture_step = clock.wrap("capture", planning.capture_step)
     planning.solve = clock.wrap("solve", planning.solve)
+    planning.plan_modules = clock.wrap("solve", planning.plan_modules)  # module mode's search
     planning.measure_within = clock.wrap("measure", planning.measure_within)
     # parts of the check: the rewrite (graph mode compiles the capture's joint export),
     # the gradient self-check, the measured peaks of real steps
