@@ -115,6 +115,7 @@ class BlockIndex:
             for b in hits:
                 self._nodes[b][0 if d["phase"] == "forward" else 1].append(v)
         self._drop: dict[tuple[str, str], frozenset] = {}
+        self._piece: dict[tuple[str, str], tuple] = {}
         self._forward: frozenset | None = None
         self._sim: _IndexedSimulation | None = None
 
@@ -211,9 +212,9 @@ class BlockIndex:
         :func:`checkpoint_sequence` leaves them), the later ones as (the backward op
         before which they are gathered, the ops), and the selective rule's edges
         (:func:`_sac_edges`) as arrays (inputs, readers; a reader is a backward op)."""
-        key = ("pieces", block, action)
-        if key in self._drop:
-            return self._drop[key]
+        key = (block, action)
+        if key in self._piece:
+            return self._piece[key]
         sim = self._sim
         num, fb = sim.num, sim.first_bwd
         # kept anyway: forced values, and forward values after the first backward op
@@ -236,7 +237,7 @@ class BlockIndex:
                   (next(t for t, _ in chunks if t > fb), np.concatenate(later)) if later else None,
                   (np.array([num[u] for u, _ in edges], dtype=np.int64),
                    np.array([num[v] for _, v in edges], dtype=np.int64)) if edges else None)
-        self._drop[key] = pieces
+        self._piece[key] = pieces
         return pieces
 
 

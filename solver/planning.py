@@ -195,9 +195,12 @@ def measure_within(cap: Captured, *, request: Request, held_back: int = 0) -> Ca
     workspaces can be low). One run measures the workspaces, the next the times (an op
     that the schedule runs again, or one like an op timed before, is timed once:
     :func:`graphs.costs.time_ops`). The returned capture carries the
-    measured figures and the runs' peak. ``held_back``: bytes of the budget a replan
-    keeps back. Fake or meta tensors: as captured (roofline times, estimated
-    workspaces)."""
+    measured figures and the runs' peak. A DAG written from a capture of four alike
+    layers (module mode, :func:`graphs.repeated.capture_cut`) is measured on that
+    capture, every copy of a layer taking its template's figures, and the runs' peak
+    counts the parameters of the layers not captured as resident beside it.
+    ``held_back``: bytes of the budget a replan keeps back. Fake or meta tensors: as
+    captured (roofline times, estimated workspaces)."""
     from dataclasses import replace
 
     from graphs.measured import measure_in_schedule
