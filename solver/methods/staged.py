@@ -32,7 +32,7 @@ import numpy as np
 
 from solver.indexed import IndexedGraph, order_peak
 
-__all__ = ["staged_sequence"]
+__all__ = ["staged_sequence", "relieve"]
 
 log = logging.getLogger(__name__)
 
@@ -67,6 +67,51 @@ class _Plan:
         self.recompute: list[set[int]] = [set() for _ in range(n)]
         self.transient = np.array([ix.nbytes[v] + ix.workspace[v] for v in self.order], dtype=np.int64)
         self._room_of, self._room = None, {}
+
+    @classmethod
+    def of_sequence(cls, ix: IndexedGraph, order: Sequence[int], sequence: Sequence[int]) -> "_Plan":
+        """The plan of ``sequence``, whose first runs follow ``order``: a repeat belongs to
+        the stage of the next first run (one run per stage; repeats after the last first
+        run, which nothing reads, are left out). A copy is held from its stage until its
+        last read before the value's next run."""
+        plan = cls(ix, order)
+        n = ix.n
+        pos, preds = plan.pos, ix.preds
+        comps: list[list[int]] = [[] for _ in range(n)]
+        uses: list[set[int]] = [set() for _ in range(n)]
+        t = 0
+        seen = [False] * n
+        for v in sequence:
+            if t >= n:
+                break
+            if not seen[v]:
+                seen[v] = True
+                s = pos[v]
+                t = s + 1
+            else:
+                s = t
+                plan.recompute[s].add(v)
+            if not comps[v] or comps[v][-1] != s:
+                comps[v].append(s)
+            for q in preds[v]:
+                uses[q].add(s)
+        held = plan.held
+        held[:] = False
+        for u in range(n):
+            us = sorted(uses[u] | ({n - 1} if ix.output[u] else set()))
+            plan.uses[u] = us
+            cs = comps[u]
+            plan.comps[u] = cs
+            for k, c in enumerate(cs):
+                nxt = cs[k + 1] if k + 1 < len(cs) else n
+                i = bisect.bisect_left(us, nxt)
+                if i and us[i - 1] > c:
+                    held[u, c + 1:us[i - 1] + 1] = True
+        plan.held_bytes = (held[:, :n] * plan.nb[:, None]).sum(axis=0)
+        for s in range(n):
+            if plan.recompute[s]:
+                plan.transient[s] = plan.stage_peak(s)
+        return plan
 
     @property
     def memory(self) -> np.ndarray:
@@ -247,22 +292,37 @@ def staged_sequence(
     if ix.footprint_bound() > cap:
         return None
     plan = _Plan(ix, order)
+    return plan.sequence() if relieve(plan, cap, deadline=deadline, max_candidates=max_candidates,
+                                      hold=hold) else None
+
+
+def relieve(plan: _Plan, cap, *, deadline: float | None = None, max_candidates: int = 8, hold: bool = True,
+            avoid: frozenset = frozenset(), rng=None) -> bool:
+    """Add recomputations to ``plan`` until every stage fits ``cap`` (bytes, or bytes per
+    stage); True when it does, False when no candidate lowers the stage most over it or
+    past ``deadline``. ``avoid``: values not to free (they may still be recomputed as the
+    input of another); ``rng``: a :class:`random.Random` that perturbs the candidates'
+    ratios (for restarts). See :func:`staged_sequence` for the rule."""
+    ix = plan.ix
+    n = ix.n
+    caps = np.broadcast_to(np.asarray(cap, dtype=np.int64), (n,))
     nb, tm = ix.nbytes, ix.time
     eps = 1e-9 * (sum(tm) / n or 1.0)
     pinned = ix.pinned
     for _ in range(n * n):
         if deadline is not None and _time.perf_counter() > deadline:
-            return None
+            return False
         mem = plan.memory
-        t_star = int(np.argmax(mem))
-        peak = int(mem[t_star])
-        if peak <= cap:
-            return plan.sequence()
-        over = np.maximum(mem - cap, 0)
-        slack = np.maximum(cap - mem, 0) if hold else None
+        over = mem - caps
+        t_star = int(np.argmax(over))
+        worst = int(over[t_star])
+        if worst <= 0:
+            return True
+        over = np.maximum(over, 0)
+        slack = np.maximum(caps - mem, 0) if hold else None
         cands = []
         for u in np.flatnonzero(plan.held[:, t_star]).tolist():
-            if pinned[u] or not nb[u]:
+            if pinned[u] or not nb[u] or u in avoid:
                 continue
             us = plan.uses[u]
             i = bisect.bisect_right(us, t_star)
@@ -289,6 +349,8 @@ def staged_sequence(
                 continue
             members, cost, kept = got
             ratio = (cost + eps * len(members)) / gain
+            if rng is not None:
+                ratio *= 1.0 + 0.3 * rng.random()
             scored.append((ratio, u, p, s, members, kept))
             scored.sort(key=lambda c: c[0])
             del scored[max_candidates:]
@@ -299,15 +361,14 @@ def staged_sequence(
         for ratio, u, p, s, members, kept in scored:
             trans = plan.stage_peak(s, members)
             new_s = int(plan.held_bytes[s]) - nb[u] + sum(nb[q] for q, _ in kept) + trans
-            if new_s <= max(cap, int(mem[s])):
+            if new_s <= max(int(caps[s]), int(mem[s])):
                 chosen = (u, p, s, members, kept, trans)
                 break
-            if fallback is None and new_s < peak:
+            if fallback is None and new_s - int(caps[s]) < worst:
                 fallback = (u, p, s, members, kept, trans)
         chosen = chosen or fallback
         if chosen is None:
-            log.debug("staged recomputation: no value relieves stage %d (%d B over)", t_star, peak - cap)
-            return None
+            log.debug("staged recomputation: no value relieves stage %d (%d B over)", t_star, worst)
+            return False
         plan.apply(*chosen)
-    return None
-
+    return False
