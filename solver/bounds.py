@@ -25,6 +25,7 @@ argument reads as it is. O(ops x values live across an op).
 from __future__ import annotations
 
 import math
+import time as _time
 
 from graphs import ComputeGraph
 
@@ -80,6 +81,45 @@ def _excess(graph: ComputeGraph, ops: list, index: dict, size: list, last_read: 
     return out
 
 
+def _forced_amounts(graph: ComputeGraph, budget_bytes: int) -> list[float]:
+    """The extra compute that the argument of :func:`forced_recompute_bound` forces at
+    each step of the reference order (0 where the step fits store-all, ``math.inf``
+    where it cannot fit)."""
+    import numpy as np
+
+    ops, index, size, last_read = _reference(graph)
+    nodes = graph.nx.nodes
+    room = int(budget_bytes) - graph.fixed_bytes
+    excess = _excess(graph, ops, index, size, last_read, room)
+    # the values that may go, cheapest per byte first; at each step over the budget the
+    # live ones (computed before, read after, not an input) are taken in that order
+    free = [i for i, v in enumerate(ops) if nodes[v].get("recomputable", True) and size[i] > 0]
+    free.sort(key=lambda i: _least_time(nodes[ops[i]]) / size[i])
+    pos = np.array(free, dtype=np.int64)
+    read = np.array([last_read[i] for i in free], dtype=np.int64)
+    nbytes = np.array([size[i] for i in free], dtype=np.float64)
+    times = np.array([_least_time(nodes[ops[i]]) for i in free], dtype=np.float64)
+    where = {i: k for k, i in enumerate(free)}
+    out = [0.0] * len(ops)
+    for t, e in enumerate(excess):
+        if e <= 0:
+            continue
+        mask = (pos < t) & (read > t)
+        for u in graph.op_preds(ops[t]):
+            k = where.get(index[u])
+            if k is not None:
+                mask[k] = False
+        have = np.cumsum(nbytes[mask])
+        if not have.size or have[-1] < e:
+            out[t] = math.inf
+            continue
+        k = int(np.searchsorted(have, e))  # values 0..k-1 go whole, a part of value k
+        spent = times[mask]
+        before = have[k - 1] if k else 0.0
+        out[t] = float(spent[:k].sum()) + float(spent[k]) * (e - before) / float(nbytes[mask][k])
+    return out
+
+
 def forced_recompute_bound(graph: ComputeGraph, budget_bytes: int) -> float:
     """A lower bound on the cost of any schedule whose first computations follow the
     reference order, from the values that cannot all stay resident (module docstring).
@@ -112,39 +152,10 @@ def forced_recompute_bound(graph: ComputeGraph, budget_bytes: int) -> float:
     >>> forced_recompute_bound(g, 6)
     inf
     """
-    import numpy as np
-
-    ops, index, size, last_read = _reference(graph)
     nodes = graph.nx.nodes
-    base = float(sum(nodes[v]["time"] for v in ops))
-    room = int(budget_bytes) - graph.fixed_bytes
-    excess = _excess(graph, ops, index, size, last_read, room)
-    # the values that may go, cheapest per byte first; at each step over the budget the
-    # live ones (computed before, read after, not an input) are taken in that order
-    free = [i for i, v in enumerate(ops) if nodes[v].get("recomputable", True) and size[i] > 0]
-    free.sort(key=lambda i: _least_time(nodes[ops[i]]) / size[i])
-    pos = np.array(free, dtype=np.int64)
-    read = np.array([last_read[i] for i in free], dtype=np.int64)
-    nbytes = np.array([size[i] for i in free], dtype=np.float64)
-    times = np.array([_least_time(nodes[ops[i]]) for i in free], dtype=np.float64)
-    where = {i: k for k, i in enumerate(free)}
-    worst = 0.0
-    for t, e in enumerate(excess):
-        if e <= 0:
-            continue
-        mask = (pos < t) & (read > t)
-        for u in graph.op_preds(ops[t]):
-            k = where.get(index[u])
-            if k is not None:
-                mask[k] = False
-        have = np.cumsum(nbytes[mask])
-        if not have.size or have[-1] < e:
-            return math.inf
-        k = int(np.searchsorted(have, e))  # values 0..k-1 go whole, a part of value k
-        spent = times[mask]
-        before = have[k - 1] if k else 0.0
-        amount = float(spent[:k].sum()) + float(spent[k]) * (e - before) / float(nbytes[mask][k])
-        worst = max(worst, amount)
+    base = float(sum(nodes[v]["time"] for v in graph.order))
+    amounts = _forced_amounts(graph, budget_bytes)
+    worst = max(amounts, default=0.0)
     # a hair below, so that float rounding never lifts it above a schedule's cost
     return base + max(0.0, worst * (1 - 1e-9))
 
@@ -185,7 +196,7 @@ def _pick_boundaries(excess: list[float], allowed: list[bool], stages: int) -> l
 
 def stage_lp_bound(graph: ComputeGraph, budget_bytes: int, *, stages: int = STAGES,
                    boundaries: list | None = None, time_limit: float | None = None,
-                   kept: dict | None = None) -> float | None:
+                   kept: dict | None = None, integral: bool = False) -> float | None:
     """A lower bound on the cost of any schedule whose first computations follow the
     reference order: the linear relaxation of the schedule at a few steps (stages).
 
@@ -199,11 +210,15 @@ def stage_lp_bound(graph: ComputeGraph, budget_bytes: int, *, stages: int = STAG
     computed again in it. With 0/1 variables "live at boundary k" and "computed again
     in interval k" every fixed-order schedule satisfies these constraints, and its extra
     compute is at least the time of what it computes again; the LP relaxation of that
-    (GLOP) gives the bound. More boundaries give a tighter bound and a larger LP.
+    (GLOP) gives the bound, or with ``integral`` the 0/1 program itself (SCIP), whose
+    proven bound holds even when the solver stops early. More boundaries give a tighter
+    bound and a larger program.
 
     Multi-output groups with ``group_time``: an interval in which a projection is
-    computed again and none first runs holds one more run of the op, which costs
-    ``group_time`` (boundaries are never projections, so runs never straddle them).
+    computed again, none first runs and whose boundary is none of them holds one more
+    run of the op, which costs ``group_time`` (a run that straddles a boundary holds
+    the boundary's first computation). A boundary may be a projection: its step holds
+    its output, its inputs (those of the op) and the least of its two workspaces.
     Values of 0 bytes (aliases) stay live for free. Values that must not be recomputed
     are never computed again.
 
@@ -215,23 +230,27 @@ def stage_lp_bound(graph: ComputeGraph, budget_bytes: int, *, stages: int = STAG
     stages : int
         How many boundaries to pick (ignored when ``boundaries`` is given).
     boundaries : list of node ids, optional
-        The boundary ops (not projections of a multi-output op).
+        The boundary ops.
     time_limit : float, optional
         Seconds for building and solving the LP; past them the answer is None.
     kept : dict, optional
         Filled, when the LP is solved, with node id -> the LP's fraction of that value
         live at the first boundary (the values it may drop; a guide for heuristics).
+    integral : bool
+        Solve the 0/1 program (SCIP) rather than its LP relaxation: as tight or tighter,
+        slower; past ``time_limit`` the solver's proven bound is the answer.
 
     Returns
     -------
     float or None
         At least the store-all cost; ``math.inf`` when the LP proves that no fixed-order
-        schedule fits; None when the LP did not finish in time.
+        schedule fits; None when the LP did not finish in time (or, with ``integral``,
+        proved nothing in it).
 
     Raises
     ------
     ValueError
-        A boundary is not an op of the graph, or is a projection of a multi-output op.
+        A boundary is not an op of the graph.
 
     Notes
     -----
@@ -245,8 +264,8 @@ def stage_lp_bound(graph: ComputeGraph, budget_bytes: int, *, stages: int = STAG
     >>> g = ComputeGraph()
     >>> for v, b in zip("abcd", [1, 4, 3, 3]): g.add_node(v, bytes=b, time=2.0)
     >>> g.add_edge("a", "b"); g.add_edge("b", "c"); g.add_edge("c", "d"); g.add_edge("a", "d")
-    >>> round(stage_lp_bound(g, 7), 3)
-    10.0
+    >>> round(stage_lp_bound(g, 7), 3), round(stage_lp_bound(g, 7, integral=True), 3)
+    (10.0, 10.0)
     """
     from solver.deadline import Deadline
 
@@ -258,13 +277,12 @@ def stage_lp_bound(graph: ComputeGraph, budget_bytes: int, *, stages: int = STAG
     if n == 0:
         return base
     readers = [sorted(index[w] for w in graph.op_succs(v)) for v in ops]
-    in_group = [nodes[v].get("group") is not None for v in ops]
     room = int(budget_bytes) - graph.fixed_bytes
     if boundaries is None:
         excess = _excess(graph, ops, index, size, last_read, room)
-        marks = _pick_boundaries(excess, [not x for x in in_group], stages)
+        marks = _pick_boundaries(excess, [True] * n, stages)
     else:
-        marks = sorted(set(_boundary_indices(graph, boundaries, index, in_group)))
+        marks = sorted(set(_boundary_indices(graph, boundaries, index)))
     if not marks:
         return base
     m = len(marks)
@@ -290,7 +308,7 @@ def stage_lp_bound(graph: ComputeGraph, budget_bytes: int, *, stages: int = STAG
 
     rule = _Rule(candidates=lambda k: range(marks[k]), before=lambda i, k: i < marks[k], required=required,
                  may_first=lambda i, k: i > marks[0] and interval(i) == k)
-    return _relaxation(graph, budget_bytes, ops, index, size, marks, rule, deadline, kept)
+    return _relaxation(graph, budget_bytes, ops, index, size, marks, rule, deadline, kept, integral)
 
 
 class _Rule:
@@ -311,19 +329,17 @@ class _Rule:
         self.may_first = may_first
 
 
-def _boundary_indices(graph: ComputeGraph, boundaries, index: dict, in_group: list) -> list[int]:
+def _boundary_indices(graph: ComputeGraph, boundaries, index: dict) -> list[int]:
     out = []
     for v in boundaries:
         if v not in index:
             raise ValueError(f"boundary {v!r} is not an op of {graph.name or 'the graph'}")
-        if in_group[index[v]]:
-            raise ValueError(f"boundary {v!r} is a projection of a multi-output op; pick another op")
         out.append(index[v])
     return out
 
 
 def _relaxation(graph: ComputeGraph, budget_bytes: int, ops: list, index: dict, size: list, marks: list,
-                rule: _Rule, deadline, kept: dict | None) -> float | None:
+                rule: _Rule, deadline, kept: dict | None, integral: bool = False) -> float | None:
     """The LP of :func:`stage_lp_bound` at the boundaries ``marks`` (op indices, in the
     order of their first computations), with what the order freedom allows from ``rule``."""
     from solver.deadline import OutOfTime
@@ -341,7 +357,8 @@ def _relaxation(graph: ComputeGraph, budget_bytes: int, ops: list, index: dict, 
     group_of = {i: g for g, (members, _) in groups.items() for i in members}
     inputs = [set(preds[t]) for t in marks]
     try:
-        lp = create_solver("GLOP")
+        lp = create_solver("SCIP" if integral else "GLOP")
+        Var = (lambda: lp.IntVar(0.0, 1.0, "")) if integral else (lambda: lp.NumVar(0.0, 1.0, ""))
         scale = 1.0 / max(1, room)
         keep: dict = {}  # (i, k) -> variable: a copy of i is live at boundary k
         redo: dict = {}  # (i, k) -> variable: i is computed again in interval k
@@ -354,7 +371,7 @@ def _relaxation(graph: ComputeGraph, budget_bytes: int, ops: list, index: dict, 
                 return 1.0
             var = keep.get((i, k))
             if var is None:
-                var = keep[(i, k)] = lp.NumVar(0.0, 1.0, "")
+                var = keep[(i, k)] = Var()
                 todo.append(("keep", i, k))
             return var
 
@@ -363,7 +380,7 @@ def _relaxation(graph: ComputeGraph, budget_bytes: int, ops: list, index: dict, 
                 return None
             var = redo.get((i, k))
             if var is None:
-                var = redo[(i, k)] = lp.NumVar(0.0, 1.0, "")
+                var = redo[(i, k)] = Var()
                 todo.append(("redo", i, k))
             return var
 
@@ -422,7 +439,7 @@ def _relaxation(graph: ComputeGraph, budget_bytes: int, ops: list, index: dict, 
             if g is None:
                 objective.SetCoefficient(q, cost[i])
                 continue
-            if any(rule.may_first(j, k) for j in groups[g][0]):
+            if marks[k] in groups[g][0] or any(rule.may_first(j, k) for j in groups[g][0]):
                 continue  # a run of the op may happen in this interval anyway
             r = run.get((g, k))
             if r is None:
@@ -441,18 +458,45 @@ def _relaxation(graph: ComputeGraph, budget_bytes: int, ops: list, index: dict, 
         return None
     if status == lp.INFEASIBLE:
         return math.inf
-    if status != lp.OPTIMAL:
+    if integral and status in (lp.OPTIMAL, lp.FEASIBLE, lp.NOT_SOLVED):
+        value = lp.Objective().BestBound()  # "optimal" means within the solver's gap tolerance
+        if not math.isfinite(value):
+            return None
+    elif status != lp.OPTIMAL:
         return None
-    if kept is not None:
+    else:
+        value = objective.Value()
+    if kept is not None and status in (lp.OPTIMAL, lp.FEASIBLE):
         kept.update({ops[i]: var.solution_value() for (i, k), var in keep.items() if k == 0})
     shortfall = sum(min(0.0, gt - sum(cost[i] for i in members)) for members, gt in groups.values())
-    extra = max(0.0, objective.Value() * (1 - 1e-6) - 1e-12 * base) + shortfall
+    extra = max(0.0, value * (1 - 1e-6) - 1e-12 * base) + shortfall
     return max(base, base + extra)
 
 
 
+def _over_budget(graph: ComputeGraph, ops: list, excess: list) -> list[int]:
+    """The steps over the budget, most over first, one per multi-output op (the
+    projections of one op share their inputs and mostly their excess)."""
+    nodes = graph.nx.nodes
+    seen = set()
+    out = []
+    for t in sorted((t for t in range(len(ops)) if excess[t] > 0), key=lambda t: (-excess[t], t)):
+        group = nodes[ops[t]].get("group")
+        if group is not None:
+            if group in seen:
+                continue
+            seen.add(group)
+        out.append(t)
+    return out
+
+
 #: Single-boundary LPs that :func:`fixed_order_bound` tries by default.
-TRIES = 8
+TRIES = 12
+#: Boundaries of the 0/1 stage programs that the bounds try after the LPs: the best
+#: LP boundary alone, then the best two, then the best four, while time is left.
+INTEGRAL_SETS = (1, 2, 4)
+#: Without a time limit, seconds at most for those programs in all.
+INTEGRAL_SECONDS = 2.0
 
 
 def worst_step(graph: ComputeGraph, budget_bytes: int):
@@ -465,12 +509,70 @@ def worst_step(graph: ComputeGraph, budget_bytes: int):
     return ops[max(over, key=lambda t: (excess[t], -t))] if over else None
 
 
+def _candidates(graph: ComputeGraph, budget_bytes: int, ops: list, excess: list) -> list[int]:
+    """Steps to try as single boundaries, best first: the steps most over the budget and
+    those where :func:`forced_recompute_bound`'s argument forces the most, by turns (the
+    strongest LP sits at either), one per multi-output op."""
+    over = _over_budget(graph, ops, excess)
+    amounts = _forced_amounts(graph, budget_bytes)
+    forced = sorted(over, key=lambda t: (-amounts[t], t))
+    out, seen = [], set()
+    for pair in zip(forced, over):
+        for t in pair:
+            if t not in seen:
+                seen.add(t)
+                out.append(t)
+    return out
+
+
+def _best_of(bound_at, marks: list, base: float, best: float, deadline, time_limit, enough: float | None, *,
+             arrange=sorted, together: bool = False) -> float:
+    """Raise ``best`` with ``bound_at(boundaries, integral, seconds)`` at each of
+    ``marks`` alone (the LP), with ``together`` at ``arrange(marks)`` too, then the 0/1
+    program at ``arrange`` of the best :data:`INTEGRAL_SETS` of them, while time is left
+    and ``best`` is below ``enough``. ``arrange`` puts boundaries in the order the bound
+    takes them and drops those it cannot take."""
+    done = lambda: math.isinf(best) or (enough is not None and best >= enough)  # noqa: E731
+    seconds = lambda: None if time_limit is None else max(0.0, deadline.left())  # noqa: E731
+    scored = []
+    for t in marks:
+        if done() or deadline.expired():
+            return best
+        lb = bound_at([t], False, seconds())
+        if lb is not None:
+            scored.append((-lb, t))
+            best = max(best, lb)
+    if together and len(arrange(marks)) > 1 and not done() and not deadline.expired():
+        lb = bound_at(arrange(marks), False, seconds())
+        best = best if lb is None else max(best, lb)
+    if not scored or best <= base:
+        return best
+    scored.sort()
+    total = deadline.left() if time_limit is not None else INTEGRAL_SECONDS
+    until = _time.perf_counter() + total
+    trials = []
+    for k in INTEGRAL_SETS:
+        picked = arrange([t for _, t in scored[:k]])
+        if k <= len(scored) and picked not in trials:
+            trials.append(picked)
+    for j, picked in enumerate(trials):
+        left = until - _time.perf_counter()
+        if done() or left <= 0.05:
+            break
+        lb = bound_at(picked, True, left / (len(trials) - j))
+        if lb is not None:
+            best = max(best, lb)
+    return best
+
+
 def fixed_order_bound(graph: ComputeGraph, budget_bytes: int, *, tries: int = TRIES,
-                      time_limit: float | None = None) -> float:
+                      time_limit: float | None = None, enough: float | None = None) -> float:
     """The best fixed-order lower bound found in the time: the largest of
-    :func:`forced_recompute_bound` and :func:`stage_lp_bound` at single boundaries -- the
-    ``tries`` steps of the reference order most over the budget, each after the other
-    while time is left (each bound holds alone, so the largest holds).
+    :func:`forced_recompute_bound`, :func:`stage_lp_bound` at single boundaries (the
+    ``tries`` steps of the reference order most over the budget or where the forced
+    recomputation is largest) and the 0/1 stage program at the best one, two and four
+    of them (:data:`INTEGRAL_SETS`), each after the other while time is left (each
+    bound holds alone, so the largest holds).
 
     Parameters
     ----------
@@ -478,9 +580,12 @@ def fixed_order_bound(graph: ComputeGraph, budget_bytes: int, *, tries: int = TR
     budget_bytes : int
         Peak bytes allowed, fixed bytes included.
     tries : int
-        How many boundaries to try at most.
+        How many single boundaries to try at most.
     time_limit : float, optional
-        Seconds in all; an LP that does not finish in them counts for nothing.
+        Seconds in all; an LP that does not finish in them counts for nothing. Without
+        one the 0/1 programs get :data:`INTEGRAL_SECONDS`.
+    enough : float, optional
+        Stop at the first bound at least this high (a cost already close enough).
 
     Returns
     -------
@@ -493,7 +598,7 @@ def fixed_order_bound(graph: ComputeGraph, budget_bytes: int, *, tries: int = TR
     >>> for v, nb, t in zip("xyzuw", [1, 3, 2, 1, 1], [10, 1, 1, 1, 1]): g.add_node(v, bytes=nb, time=float(t))
     >>> for e in ["xy", "yz", "zu", "uw", "yw"]: g.add_edge(*e)
     >>> round(forced_recompute_bound(g, 5), 3), round(fixed_order_bound(g, 5), 3)
-    (14.333, 14.5)
+    (14.333, 15.0)
     """
     from solver.deadline import Deadline
 
@@ -502,20 +607,14 @@ def fixed_order_bound(graph: ComputeGraph, budget_bytes: int, *, tries: int = TR
     if not math.isfinite(best) or tries <= 0:
         return best
     ops, index, size, last_read = _reference(graph)
-    nodes = graph.nx.nodes
     excess = _excess(graph, ops, index, size, last_read, int(budget_bytes) - graph.fixed_bytes)
-    over = [t for t in range(len(ops)) if excess[t] > 0 and nodes[ops[t]].get("group") is None]
-    over.sort(key=lambda t: (-excess[t], t))
-    for t in over[:tries]:
-        if deadline.expired():
-            break
-        lb = stage_lp_bound(graph, budget_bytes, boundaries=[ops[t]],
-                            time_limit=None if time_limit is None else max(0.0, deadline.left()))
-        if lb is not None and lb > best:
-            best = lb
-            if math.isinf(best):
-                break
-    return best
+
+    def bound_at(marks: list, integral: bool, seconds):
+        return stage_lp_bound(graph, budget_bytes, boundaries=[ops[t] for t in marks], time_limit=seconds,
+                              integral=integral)
+
+    return _best_of(bound_at, _candidates(graph, budget_bytes, ops, excess)[:tries], graph.total("time"), best,
+                    deadline, time_limit, enough)
 
 
 # ------------------------------------------------------------------ free order
@@ -561,7 +660,6 @@ class _Ancestry:
         self.anc, self.desc = _ancestry(graph, self.ops, self.index)
         self.readers = [[self.index[w] for w in graph.op_succs(v)] for v in self.ops]
         self.output = [bool(nodes[v].get("output", False)) for v in self.ops]
-        self.in_group = [nodes[v].get("group") is not None for v in self.ops]
 
     def required(self, c: int) -> list[int]:
         """Values surely computed before ``c`` and surely read after it (or outputs)."""
@@ -597,7 +695,8 @@ class _Ancestry:
 
 
 def free_stage_lp_bound(graph: ComputeGraph, budget_bytes: int, *, boundaries: list,
-                        time_limit: float | None = None, _facts: "_Ancestry | None" = None) -> float | None:
+                        time_limit: float | None = None, integral: bool = False,
+                        _facts: "_Ancestry | None" = None) -> float | None:
     """A lower bound on the cost of *any* schedule, whatever its order: the relaxation
     of :func:`stage_lp_bound` at boundary ops whose steps are placed by the DAG alone.
 
@@ -619,9 +718,11 @@ def free_stage_lp_bound(graph: ComputeGraph, budget_bytes: int, *, boundaries: l
     budget_bytes : int
         Peak bytes allowed, fixed bytes included.
     boundaries : list of node ids
-        Ops (not projections of a multi-output op), each an ancestor of the next.
+        Ops, each an ancestor of the next.
     time_limit : float, optional
         Seconds for building and solving the LP; past them the answer is None.
+    integral : bool
+        Solve the 0/1 program rather than its LP relaxation (as in :func:`stage_lp_bound`).
 
     Returns
     -------
@@ -632,7 +733,7 @@ def free_stage_lp_bound(graph: ComputeGraph, budget_bytes: int, *, boundaries: l
     Raises
     ------
     ValueError
-        A boundary is not an op, is a projection, or is not an ancestor of the next.
+        A boundary is not an op, or is not an ancestor of the next.
 
     Examples
     --------
@@ -651,7 +752,7 @@ def free_stage_lp_bound(graph: ComputeGraph, budget_bytes: int, *, boundaries: l
     base = float(graph.total("time"))
     if not facts.ops:
         return base
-    marks = _boundary_indices(graph, boundaries, facts.index, facts.in_group)
+    marks = _boundary_indices(graph, boundaries, facts.index)
     for a, b in zip(marks, marks[1:]):
         if not (facts.anc[b] >> a) & 1:
             raise ValueError(f"boundary {facts.ops[a]!r} is not an ancestor of {facts.ops[b]!r}; "
@@ -659,14 +760,16 @@ def free_stage_lp_bound(graph: ComputeGraph, budget_bytes: int, *, boundaries: l
     if not marks:
         return base
     return _relaxation(graph, budget_bytes, facts.ops, facts.index, facts.size, marks, facts.rule(marks),
-                       deadline, None)
+                       deadline, None, integral)
 
 
 def free_order_bound(graph: ComputeGraph, budget_bytes: int, *, tries: int = FREE_TRIES,
-                     time_limit: float | None = None) -> float:
+                     time_limit: float | None = None, enough: float | None = None) -> float:
     """The best lower bound valid for any order found in the time:
     :func:`free_stage_lp_bound` at the single ops where the values that must be live or
-    computed again exceed the budget the most, then along a chain of them.
+    computed again exceed the budget the most, then along a chain of them, then the 0/1
+    program at the best one, two and four of them (:data:`INTEGRAL_SETS`, kept to a
+    chain).
 
     Candidates are the ops of the :data:`FREE_CANDIDATES` steps of the reference order
     most over the budget; each is scored by the bytes its order-free argument forces
@@ -680,7 +783,10 @@ def free_order_bound(graph: ComputeGraph, budget_bytes: int, *, tries: int = FRE
     tries : int
         How many single boundaries to try (the best scored first).
     time_limit : float, optional
-        Seconds in all; an LP that does not finish in them counts for nothing.
+        Seconds in all; an LP that does not finish in them counts for nothing. Without
+        one the 0/1 programs get :data:`INTEGRAL_SECONDS`.
+    enough : float, optional
+        Stop at the first bound at least this high (a cost already close enough).
 
     Returns
     -------
@@ -706,8 +812,7 @@ def free_order_bound(graph: ComputeGraph, budget_bytes: int, *, tries: int = FRE
     nodes = graph.nx.nodes
     room = int(budget_bytes) - graph.fixed_bytes
     excess = _excess(graph, ops, index, size, last_read, room)
-    over = [t for t in range(len(ops)) if excess[t] > 0 and not facts.in_group[t]]
-    over.sort(key=lambda t: (-excess[t], t))
+    over = _over_budget(graph, ops, excess)
     scored = []
     for t in over[:FREE_CANDIDATES]:
         if deadline.expired():
@@ -718,20 +823,20 @@ def free_order_bound(graph: ComputeGraph, budget_bytes: int, *, tries: int = FRE
         if need > room:
             scored.append((need - room, t))
     scored.sort(key=lambda x: (-x[0], x[1]))
-    best = base
     picks = [t for _, t in scored[:tries]]
-    trials = [[t] for t in picks]
-    chain = sorted(picks)  # the reference order is topological: ancestors come first
-    chain = [t for j, t in enumerate(chain) if all((facts.anc[t] >> a) & 1 for a in chain[:j])]
-    if len(chain) > 1:
-        trials.append(chain)
-    for marks in trials:
-        if deadline.expired():
-            break
-        lb = free_stage_lp_bound(graph, budget_bytes, boundaries=[ops[t] for t in marks], _facts=facts,
-                                 time_limit=None if time_limit is None else max(0.0, deadline.left()))
-        if lb is not None and lb > best:
-            best = lb
-            if math.isinf(best):
-                break
+
+    def chain(marks: list) -> list:
+        """The longest run of ``marks`` in the reference order, each an ancestor of the
+        next (the reference order is topological: ancestors come first)."""
+        out = []
+        for t in sorted(marks):
+            if all((facts.anc[t] >> a) & 1 for a in out):
+                out.append(t)
+        return out
+
+    def bound_at(marks: list, integral: bool, seconds):
+        return free_stage_lp_bound(graph, budget_bytes, boundaries=[ops[t] for t in marks], _facts=facts,
+                                   time_limit=seconds, integral=integral)
+
+    best = _best_of(bound_at, picks, base, base, deadline, time_limit, enough, arrange=chain, together=True)
     return best

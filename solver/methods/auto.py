@@ -22,10 +22,12 @@ The recipe, cheapest first:
 6. on the winner, :func:`drop_recomputations`: the heuristics plan with a conservative
    memory model, and the recomputations the simulator shows the budget does not need go.
 7. the gap: first the bound valid in any order, :func:`solver.bounds.free_order_bound`
-   (the stage LP at ops placed by the DAG alone); then, when every candidate kept the
+   (the stage LP at ops placed by the DAG alone); then, when the winner keeps the
    reference order, the fixed-order lower bound of
-   :func:`solver.bounds.fixed_order_bound` (forced recomputation, then an LP at each of
-   the steps most over the budget), then, on small graphs, the MILP's bound.
+   :func:`solver.bounds.fixed_order_bound` (forced recomputation, an LP at each of
+   the steps most over the budget, then the 0/1 stage program at the best of them),
+   then, on small graphs, the MILP's bound. Each stops once its bound closes the gap
+   to ``gap_tolerance``.
 
 Every candidate is graded by :func:`solver.simulate`; the cheapest valid one within the
 budget wins (fewest steps on ties). ``schedule.info["auto"]`` records what was tried,
@@ -126,11 +128,11 @@ def solve_auto(graph: ComputeGraph, budget: int, *, time_limit: float | None = N
         ``method == "auto:<winner>"``; ``info["auto"]`` has ``picked``, ``why`` and
         ``tried`` (cost or error of every candidate). ``lower_bound`` is set only when
         it holds for the schedule's order freedom: a bound valid in any order
-        (``info["bound_scope"] == "free order"``), one that holds when every
-        candidate kept the reference order (``"fixed order"``), or the store-all cost
+        (``info["bound_scope"] == "free order"``), one that holds for every schedule
+        that keeps the reference order, as the winner does (``"fixed order"``), or the store-all cost
         when the schedule has no extra compute (``"any order"``); with extra compute
         and no better bound, the store-all cost (``"free order"``: a gap of 100 %).
-        When a candidate reordered, a fixed-order bound goes to
+        When the winner reorders, a fixed-order bound goes to
         ``info["fixed_order_lower_bound"]``.
 
     Raises
@@ -299,7 +301,7 @@ def solve_auto(graph: ComputeGraph, budget: int, *, time_limit: float | None = N
                 sched.lower_bound = min(sched.lower_bound, cost)
     picked = sched.method or next(k for k, v in tried.items() if v == key[0])
     sched.info = dict(sched.info)
-    fixed_scope = not any(reorders.values())
+    fixed_scope = not _reorders(ix, sched.sequence)  # a fixed-order bound holds for the winner
     if fixed_scope and proven[0] is not None and (sched.lower_bound is None or proven[0] > sched.lower_bound):
         sched.lower_bound = min(proven[0], key[0])  # an exact candidate's bound holds for the winner
     elapsed = _time.perf_counter() - t0
@@ -312,12 +314,13 @@ def solve_auto(graph: ComputeGraph, budget: int, *, time_limit: float | None = N
             sched.info["fixed_order_lower_bound"] = float(sched.lower_bound)
     scope = "free order" if bound is not None and sched.info.get("bound_scope") == "free order" else "fixed order"
     close = bound is not None and key[0] - bound <= tolerance * (key[0] - base) + 1e-9
+    target = key[0] - tolerance * (key[0] - base)  # a bound this high closes the gap
     if use_bound and not close:
         # the bound valid in any order first: the stage LP at ops placed by the DAG alone
         from solver.bounds import free_order_bound
 
         f_time = min(0.5 * LP_BOUND_SECONDS, max(0.3, 0.25 * elapsed)) if unlimited else max(0.0, 0.3 * left())
-        flb = min(free_order_bound(graph, budget, time_limit=f_time), key[0])
+        flb = min(free_order_bound(graph, budget, time_limit=f_time, enough=target), key[0])
         if flb > base and (bound is None or flb >= bound):
             bound, scope = flb, "free order"
             close = key[0] - bound <= tolerance * (key[0] - base) + 1e-9
@@ -327,7 +330,7 @@ def solve_auto(graph: ComputeGraph, budget: int, *, time_limit: float | None = N
         from solver.bounds import fixed_order_bound
 
         lp_time = min(LP_BOUND_SECONDS, max(0.3, 0.25 * elapsed)) if unlimited else max(0.0, 0.5 * left())
-        lb = min(fixed_order_bound(graph, budget, time_limit=lp_time), key[0])
+        lb = min(fixed_order_bound(graph, budget, time_limit=lp_time, enough=target), key[0])
         if fixed_scope:
             if bound is None or lb > bound:
                 bound, scope = lb, "fixed order"
@@ -341,7 +344,6 @@ def solve_auto(graph: ComputeGraph, budget: int, *, time_limit: float | None = N
             try:
                 from solver.methods import milp
 
-                target = key[0] - tolerance * (key[0] - base)
                 lb = milp.lower_bound(graph, budget, time_limit=b_time, order="fixed", enough=target)
                 if lb is not None and math.isfinite(lb):
                     lb = min(float(lb), key[0])
