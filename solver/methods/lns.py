@@ -20,8 +20,8 @@ stage over the budget that the simulator does not; the repair holds each stage o
 the larger of the budget and the memory the plan of the current sequence gives it, so
 that such stages are left as they are.
 
-``lns`` (fixed order) runs ``lp_eviction`` and staged recomputation and improves the
-cheaper.
+``lns`` (fixed order) builds several schedules (``lp_eviction``, staged recomputation,
+``cover``, :func:`lp_starts`) and searches from the cheapest ones.
 """
 
 from __future__ import annotations
@@ -41,12 +41,16 @@ from solver.registry import register
 from solver.schedule import Schedule
 from solver.simulate import simulate
 
-__all__ = ["improve_sequence", "lns", "lp_starts", "WINDOW"]
+__all__ = ["improve_sequence", "lns", "lp_starts", "NOISE", "STARTS", "WINDOW"]
 
 log = logging.getLogger(__name__)
 
 #: Stages in a window ruin, as a fraction of the ops (at least 4 stages).
 WINDOW = 0.02
+#: How many of the cheapest starts ``lns`` takes turns on.
+STARTS = 3
+#: How much the repair may scale the candidates' ratios (one drawn per round).
+NOISE = (0.3, 1.0, 3.0)
 #: Costs this close (relative) are equal.
 _ULPS = 1e-12
 
@@ -87,7 +91,8 @@ def _ruin(seq: list[int], rng: random.Random, time: list[float], n: int) -> tupl
 
 
 def improve_sequence(graph: ComputeGraph, sequence: Sequence[Hashable], budget_bytes: int, *,
-                     deadline: float, seed: int = 0, ix: IndexedGraph | None = None) -> list[Hashable]:
+                     deadline: float, seed: int = 0, ix: IndexedGraph | None = None,
+                     more: Sequence[Sequence[Hashable]] = ()) -> list[Hashable]:
     """A cheaper schedule of the same first-run order as ``sequence``, by large
     neighbourhood search (see the module), or ``sequence`` itself.
 
@@ -95,7 +100,7 @@ def improve_sequence(graph: ComputeGraph, sequence: Sequence[Hashable], budget_b
     ----------
     graph : ComputeGraph
     sequence : sequence of node ids
-        A valid schedule within the budget whose first runs follow the reference order.
+        A valid schedule within the budget; its order of first runs is kept.
     budget_bytes : int
         Peak bytes allowed, fixed bytes included.
     deadline : float
@@ -104,13 +109,16 @@ def improve_sequence(graph: ComputeGraph, sequence: Sequence[Hashable], budget_b
         Seed of the ruins and the perturbed ratios.
     ix : IndexedGraph, optional
         ``IndexedGraph.of(graph)``, when the caller has it.
+    more : sequence of sequences, optional
+        Other starts with the same order of first runs (the others are left out): every
+        other round goes to the cheapest current schedule, the others take turns.
 
     Returns
     -------
     list
         The cheapest schedule found, graded by :func:`solver.simulate` (valid, within the
-        budget, costing no more than ``sequence``); ``sequence`` when it is not a valid
-        fixed-order schedule within the budget.
+        budget, costing no more than the cheapest start); ``sequence`` when no start is a
+        valid fixed-order schedule within the budget.
 
     Notes
     -----
@@ -132,40 +140,43 @@ def improve_sequence(graph: ComputeGraph, sequence: Sequence[Hashable], budget_b
 
     ix = ix or IndexedGraph.of(graph)
     n = ix.n
-    first = simulate(graph, sequence)
-    if not first.valid or first.peak_bytes > budget_bytes or first.recomputations == 0:
-        return list(sequence)
     index = {v: i for i, v in enumerate(ix.ids)}
-    cur = [index[v] for v in sequence]
     seen: set = set()
-    if [v for v in cur if not (v in seen or seen.add(v))] != list(range(n)):
-        return list(sequence)  # not the reference order
-    order = range(n)
+    order = [index[v] for v in sequence if v in index and not (v in seen or seen.add(v))]
     cap = int(budget_bytes) - ix.fixed
-    rng = random.Random(seed)
-    cur_cost = best_cost = first.cost
-    best = list(sequence)
-    caps = np.maximum(cap, _Plan.of_sequence(ix, order, cur).memory)
-    rounds = 0
-    while _time.perf_counter() < deadline:
-        rounds += 1
-        ruined, avoid = _ruin(cur, rng, ix.time, n)
-        if len(ruined) == len(cur):
-            continue
-        plan = _Plan.of_sequence(ix, order, ruined)
-        if not relieve(plan, caps, deadline=deadline, avoid=avoid, rng=rng):
-            continue
-        ids = [ix.ids[i] for i in plan.sequence()]
-        ids = drop_recomputations(graph, ids, budget_bytes, deadline=deadline)
-        r = simulate(graph, ids)
+    best, best_cost = list(sequence), None
+    states = []  # [current sequence (indices), its cost, the per-stage caps of its repairs]
+    for seq in [sequence, *more]:
+        r = simulate(graph, seq)
         if not r.valid or r.peak_bytes > budget_bytes:
             continue
-        if r.cost <= cur_cost * (1 + _ULPS):
-            cur, cur_cost = [index[v] for v in ids], r.cost
-            caps = np.maximum(cap, _Plan.of_sequence(ix, order, cur).memory)
-            if r.cost < best_cost * (1 - _ULPS) or (r.cost <= best_cost * (1 + _ULPS) and len(ids) < len(best)):
-                best, best_cost = ids, r.cost
-    log.debug("lns: %d rounds, cost %.6g -> %.6g", rounds, first.cost, best_cost)
+        if best_cost is None or r.cost < best_cost * (1 - _ULPS):
+            best, best_cost = list(seq), r.cost
+        cur = [index[v] for v in seq]
+        seen: set = set()
+        if r.recomputations and [v for v in cur if not (v in seen or seen.add(v))] == order:
+            states.append([cur, r.cost, np.maximum(cap, _Plan.of_sequence(ix, order, cur).memory)])
+    rng = random.Random(seed)
+    rounds = 0
+    while states and _time.perf_counter() < deadline:
+        # every other round goes to the cheapest state, the others take turns
+        state = min(states, key=lambda x: x[1]) if rounds % 2 else states[(rounds // 2) % len(states)]
+        rounds += 1
+        ruined, avoid = _ruin(state[0], rng, ix.time, n)
+        if len(ruined) == len(state[0]):
+            continue
+        plan = _Plan.of_sequence(ix, order, ruined)
+        if not relieve(plan, state[2], deadline=deadline, avoid=avoid, rng=rng, noise=rng.choice(NOISE)):
+            continue
+        ids = drop_recomputations(graph, [ix.ids[i] for i in plan.sequence()], budget_bytes, deadline=deadline)
+        r = simulate(graph, ids)
+        if not r.valid or r.peak_bytes > budget_bytes or r.cost > state[1] * (1 + _ULPS):
+            continue
+        cur = [index[v] for v in ids]
+        state[:] = [cur, r.cost, np.maximum(cap, _Plan.of_sequence(ix, order, cur).memory)]
+        if r.cost < best_cost * (1 - _ULPS) or (r.cost <= best_cost * (1 + _ULPS) and len(ids) < len(best)):
+            best, best_cost = ids, r.cost
+    log.debug("lns: %d rounds from %d starts, cost %s", rounds, len(states), best_cost)
     return best
 
 
@@ -174,8 +185,8 @@ def lp_starts(graph: ComputeGraph, budget_bytes: int, *, deadline: float, rounds
     """Schedules of the reference order built from the stage LP's plan, one per round.
 
     Round 1 solves :func:`solver.bounds.stage_lp_bound` at the step most over the budget;
-    the forward values the LP keeps live there (fraction at least one half) are kept and
-    the others computed again for the backward
+    the forward values read by the backward that the LP keeps live there (fraction at
+    least one half) are kept and the others computed again for the backward
     (:func:`solver.plans.sequence_from_keep`); staged relief
     (:func:`solver.methods.staged.relieve`) brings the stages still over the budget
     under it and :func:`~solver.methods.drop.drop_recomputations` removes what the
@@ -188,8 +199,7 @@ def lp_starts(graph: ComputeGraph, budget_bytes: int, *, deadline: float, rounds
         Valid sequences within the budget (node ids), until ``deadline`` or ``rounds``.
     """
     from solver.bounds import stage_lp_bound, worst_step
-    from solver.methods.staged import _Plan, relieve
-    from solver.plans import sequence_from_keep
+    from solver.methods.cover import relieved_from_keep
 
     ix = ix or IndexedGraph.of(graph)
     worst = worst_step(graph, budget_bytes)
@@ -198,6 +208,7 @@ def lp_starts(graph: ComputeGraph, budget_bytes: int, *, deadline: float, rounds
     nodes = graph.nx.nodes
     index = {v: i for i, v in enumerate(ix.ids)}
     forward = {v for v in graph.ops if nodes[v]["phase"] == "forward"}
+    saved = {v for v in forward if any(nodes[w]["phase"] != "forward" for w in graph.op_succs(v))}
     marks = [index[worst]]
     for _ in range(rounds):
         if _time.perf_counter() > deadline:
@@ -207,19 +218,13 @@ def lp_starts(graph: ComputeGraph, budget_bytes: int, *, deadline: float, rounds
                                time_limit=max(0.0, deadline - _time.perf_counter()))
         if bound is None or not np.isfinite(bound) or not live:
             return
-        keep = {v for v in forward if live.get(v, 1.0) >= 0.5}
-        try:
-            seq = sequence_from_keep(graph, keep)
-        except NoScheduleFound:
+        keep = {v for v in saved if live.get(v, 1.0) >= 0.5}
+        ids, seq = relieved_from_keep(graph, keep, budget_bytes, deadline=deadline, ix=ix)
+        if not seq:
             return
+        if ids is not None:
+            yield ids
         raw = simulate(graph, seq)
-        plan = _Plan.of_sequence(ix, range(ix.n), [index[v] for v in seq])
-        if relieve(plan, int(budget_bytes) - ix.fixed, deadline=deadline):
-            ids = drop_recomputations(graph, [ix.ids[i] for i in plan.sequence()], budget_bytes,
-                                      deadline=deadline)
-            r = simulate(graph, ids)
-            if r.valid and r.peak_bytes <= budget_bytes:
-                yield ids
         # the next boundary: the later first run whose stage the kept set leaves most over
         seen: set = set()
         stage, worst_over = -1, None
@@ -240,7 +245,8 @@ def lp_starts(graph: ComputeGraph, budget_bytes: int, *, deadline: float, rounds
 def lns(graph: ComputeGraph, budget_bytes: int, *, time_limit: float | None = None, seed: int = 0,
         **_) -> Schedule:
     """Large neighbourhood search from the cheapest of ``lp_eviction``, staged
-    recomputation and the stage LP's plans (:func:`lp_starts`) on the reference order.
+    recomputation, ``cover`` and the stage LP's plans (:func:`lp_starts`) on the
+    reference order.
 
     Parameters
     ----------
@@ -271,6 +277,7 @@ def lns(graph: ComputeGraph, budget_bytes: int, *, time_limit: float | None = No
     >>> r = simulate(g, s); r.valid and r.peak_bytes <= 8
     True
     """
+    from solver.methods.cover import cover
     from solver.methods.guided import lp_eviction
     from solver.methods.staged import staged_sequence
 
@@ -290,12 +297,24 @@ def lns(graph: ComputeGraph, budget_bytes: int, *, time_limit: float | None = No
         ids = drop_recomputations(graph, [ix.ids[i] for i in seq], budget_bytes, deadline=t0 + 2 * limit / 9)
         starts.append((simulate(graph, ids).cost, "staged", ids))
     if graph.backward_nodes():
+        try:
+            s = cover(graph, budget_bytes, time_limit=limit / 9)
+            starts.append((simulate(graph, s).cost, "cover", s.sequence))
+        except NoScheduleFound:
+            pass
         for ids in lp_starts(graph, budget_bytes, deadline=t0 + limit / 3, ix=ix):
             starts.append((simulate(graph, ids).cost, "stage_lp", ids))
     if not starts:
         raise NoScheduleFound(f"lns found no start within {budget_bytes} B for {graph.name or 'the graph'} in "
                               f"the reference order; try method='order_search' or a larger budget")
-    cost, name, start = min(starts, key=lambda x: (x[0], len(x[2])))
-    best = improve_sequence(graph, start, budget_bytes, deadline=t0 + limit, seed=seed, ix=ix)
+    starts.sort(key=lambda x: (x[0], len(x[2])))
+    cost, name, start = starts[0]
+    others, seen = [], {tuple(start)}
+    for _, _, seq in starts[1:]:
+        if tuple(seq) not in seen:
+            seen.add(tuple(seq))
+            others.append(seq)
+    best = improve_sequence(graph, start, budget_bytes, deadline=t0 + limit, seed=seed, ix=ix,
+                            more=others[:STARTS - 1])
     return Schedule(sequence=best, method="lns", lower_bound=bound,
                     info={"order": "fixed", "start": name, "start_cost": cost})

@@ -297,12 +297,12 @@ def staged_sequence(
 
 
 def relieve(plan: _Plan, cap, *, deadline: float | None = None, max_candidates: int = 8, hold: bool = True,
-            avoid: frozenset = frozenset(), rng=None) -> bool:
+            avoid: frozenset = frozenset(), rng=None, noise: float = 0.3) -> bool:
     """Add recomputations to ``plan`` until every stage fits ``cap`` (bytes, or bytes per
     stage); True when it does, False when no candidate lowers the stage most over it or
     past ``deadline``. ``avoid``: values not to free (they may still be recomputed as the
-    input of another); ``rng``: a :class:`random.Random` that perturbs the candidates'
-    ratios (for restarts). See :func:`staged_sequence` for the rule."""
+    input of another); ``rng``: a :class:`random.Random` that scales the candidates'
+    ratios by up to ``1 + noise`` (for restarts). See :func:`staged_sequence` for the rule."""
     ix = plan.ix
     n = ix.n
     caps = np.broadcast_to(np.asarray(cap, dtype=np.int64), (n,))
@@ -350,7 +350,7 @@ def relieve(plan: _Plan, cap, *, deadline: float | None = None, max_candidates: 
             members, cost, kept = got
             ratio = (cost + eps * len(members)) / gain
             if rng is not None:
-                ratio *= 1.0 + 0.3 * rng.random()
+                ratio *= 1.0 + noise * rng.random()
             scored.append((ratio, u, p, s, members, kept))
             scored.sort(key=lambda c: c[0])
             del scored[max_candidates:]

@@ -8,9 +8,9 @@ import solver
 from solver.errors import InfeasibleBudget, NoScheduleFound
 from solver.indexed import IndexedGraph
 from solver.methods.bruteforce import brute_force
-from solver.methods.eviction import eviction
+from solver.methods.eviction import eviction, min_memory_order
 from solver.methods.lns import improve_sequence, lns, lp_starts
-from solver.methods.staged import _Plan, relieve
+from solver.methods.staged import _Plan, relieve, staged_sequence
 from solver.synthetic import budget_between, random_dag, random_training_graph, training_chain
 from tests.solver.test_staged import _first_runs
 
@@ -112,3 +112,21 @@ def test_the_stage_lp_starts_fit_the_budget():
             r = solver.simulate(g, seq)
             assert r.valid and r.peak_bytes <= budget
             assert _first_runs(seq) == list(g.order)
+
+
+@settings(max_examples=30, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@given(n=st.integers(3, 16), seed=st.integers(0, 10_000), frac=st.floats(0.0, 1.0))
+def test_the_search_keeps_another_order_of_first_runs(n, seed, frac):
+    g = random_dag(n, seed=seed)
+    budget = budget_between(g, frac)
+    ix = IndexedGraph.of(g)
+    order = min_memory_order(ix, tie="depth")
+    seq = staged_sequence(ix, order, budget)
+    if seq is None:
+        return
+    start = [ix.ids[i] for i in seq]
+    out = improve_sequence(g, start, budget, deadline=time.perf_counter() + 0.05, seed=seed, ix=ix)
+    r = solver.simulate(g, out)
+    assert r.valid and r.peak_bytes <= budget
+    assert r.cost <= solver.simulate(g, start).cost * (1 + 1e-9)
+    assert _first_runs(out) == [ix.ids[i] for i in order]
