@@ -360,6 +360,7 @@ def _relaxation(graph: ComputeGraph, budget_bytes: int, ops: list, index: dict, 
         lp = create_solver("SCIP" if integral else "GLOP")
         Var = (lambda: lp.IntVar(0.0, 1.0, "")) if integral else (lambda: lp.NumVar(0.0, 1.0, ""))
         scale = 1.0 / max(1, room)
+        per = 1.0 / max([c for c in cost if c > 0], default=1.0)  # objective in units of the costliest op
         keep: dict = {}  # (i, k) -> variable: a copy of i is live at boundary k
         redo: dict = {}  # (i, k) -> variable: i is computed again in interval k
         todo: list = []
@@ -437,14 +438,14 @@ def _relaxation(graph: ComputeGraph, budget_bytes: int, ops: list, index: dict, 
         for (i, k), q in redo.items():
             g = group_of.get(i)
             if g is None:
-                objective.SetCoefficient(q, cost[i])
+                objective.SetCoefficient(q, cost[i] * per)
                 continue
             if marks[k] in groups[g][0] or any(rule.may_first(j, k) for j in groups[g][0]):
                 continue  # a run of the op may happen in this interval anyway
             r = run.get((g, k))
             if r is None:
                 r = run[(g, k)] = lp.NumVar(0.0, 1.0, "")
-                objective.SetCoefficient(r, groups[g][1])
+                objective.SetCoefficient(r, groups[g][1] * per)
             c = lp.Constraint(0.0, lp.infinity())
             c.SetCoefficient(r, 1.0)
             c.SetCoefficient(q, -1.0)
@@ -459,13 +460,13 @@ def _relaxation(graph: ComputeGraph, budget_bytes: int, ops: list, index: dict, 
     if status == lp.INFEASIBLE:
         return math.inf
     if integral and status in (lp.OPTIMAL, lp.FEASIBLE, lp.NOT_SOLVED):
-        value = lp.Objective().BestBound()  # "optimal" means within the solver's gap tolerance
+        value = lp.Objective().BestBound() / per  # "optimal" means within the solver's gap tolerance
         if not math.isfinite(value):
             return None
     elif status != lp.OPTIMAL:
         return None
     else:
-        value = objective.Value()
+        value = objective.Value() / per
     if kept is not None and status in (lp.OPTIMAL, lp.FEASIBLE):
         kept.update({ops[i]: var.solution_value() for (i, k), var in keep.items() if k == 0})
     shortfall = sum(min(0.0, gt - sum(cost[i] for i in members)) for members, gt in groups.values())
@@ -495,6 +496,9 @@ TRIES = 12
 #: Boundaries of the 0/1 stage programs that the bounds try after the LPs: the best
 #: LP boundary alone, then the best two, then the best four, while time is left.
 INTEGRAL_SETS = (1, 2, 4)
+#: The last 0/1 stage program has a boundary at each of this many steps over the budget
+#: (one per multi-output op, the most over first).
+EVERY = 64
 #: Without a time limit, seconds at most for those programs in all.
 INTEGRAL_SECONDS = 2.0
 
@@ -526,12 +530,12 @@ def _candidates(graph: ComputeGraph, budget_bytes: int, ops: list, excess: list)
 
 
 def _best_of(bound_at, marks: list, base: float, best: float, deadline, time_limit, enough: float | None, *,
-             arrange=sorted, together: bool = False) -> float:
+             arrange=sorted, together: bool = False, every: list = ()) -> float:
     """Raise ``best`` with ``bound_at(boundaries, integral, seconds)`` at each of
     ``marks`` alone (the LP), with ``together`` at ``arrange(marks)`` too, then the 0/1
-    program at ``arrange`` of the best :data:`INTEGRAL_SETS` of them, while time is left
-    and ``best`` is below ``enough``. ``arrange`` puts boundaries in the order the bound
-    takes them and drops those it cannot take."""
+    program at ``arrange`` of the best :data:`INTEGRAL_SETS` of them and at ``arrange(every)``,
+    while time is left and ``best`` is below ``enough``. ``arrange`` puts boundaries in
+    the order the bound takes them and drops those it cannot take."""
     done = lambda: math.isinf(best) or (enough is not None and best >= enough)  # noqa: E731
     seconds = lambda: None if time_limit is None else max(0.0, deadline.left())  # noqa: E731
     scored = []
@@ -555,6 +559,8 @@ def _best_of(bound_at, marks: list, base: float, best: float, deadline, time_lim
         picked = arrange([t for _, t in scored[:k]])
         if k <= len(scored) and picked not in trials:
             trials.append(picked)
+    if every and arrange(every) not in trials:
+        trials.append(arrange(every))
     for j, picked in enumerate(trials):
         left = until - _time.perf_counter()
         if done() or left <= 0.05:
@@ -571,8 +577,9 @@ def fixed_order_bound(graph: ComputeGraph, budget_bytes: int, *, tries: int = TR
     :func:`forced_recompute_bound`, :func:`stage_lp_bound` at single boundaries (the
     ``tries`` steps of the reference order most over the budget or where the forced
     recomputation is largest) and the 0/1 stage program at the best one, two and four
-    of them (:data:`INTEGRAL_SETS`), each after the other while time is left (each
-    bound holds alone, so the largest holds).
+    of them (:data:`INTEGRAL_SETS`) and at every step over the budget (:data:`EVERY`
+    at most), each after the other while time is left (each bound holds alone, so the
+    largest holds).
 
     Parameters
     ----------
@@ -614,7 +621,7 @@ def fixed_order_bound(graph: ComputeGraph, budget_bytes: int, *, tries: int = TR
                               integral=integral)
 
     return _best_of(bound_at, _candidates(graph, budget_bytes, ops, excess)[:tries], graph.total("time"), best,
-                    deadline, time_limit, enough)
+                    deadline, time_limit, enough, every=_over_budget(graph, ops, excess)[:EVERY])
 
 
 # ------------------------------------------------------------------ free order
@@ -768,8 +775,8 @@ def free_order_bound(graph: ComputeGraph, budget_bytes: int, *, tries: int = FRE
     """The best lower bound valid for any order found in the time:
     :func:`free_stage_lp_bound` at the single ops where the values that must be live or
     computed again exceed the budget the most, then along a chain of them, then the 0/1
-    program at the best one, two and four of them (:data:`INTEGRAL_SETS`, kept to a
-    chain).
+    program at the best one, two and four of them (:data:`INTEGRAL_SETS`) and at every
+    candidate, each kept to a chain.
 
     Candidates are the ops of the :data:`FREE_CANDIDATES` steps of the reference order
     most over the budget; each is scored by the bytes its order-free argument forces
@@ -838,5 +845,6 @@ def free_order_bound(graph: ComputeGraph, budget_bytes: int, *, tries: int = FRE
         return free_stage_lp_bound(graph, budget_bytes, boundaries=[ops[t] for t in marks], _facts=facts,
                                    time_limit=seconds, integral=integral)
 
-    best = _best_of(bound_at, picks, base, base, deadline, time_limit, enough, arrange=chain, together=True)
+    best = _best_of(bound_at, picks, base, base, deadline, time_limit, enough, arrange=chain, together=True,
+                    every=[t for _, t in scored[:EVERY]])
     return best

@@ -48,7 +48,7 @@ from solver.simulate import simulate
 
 __all__ = ["solve_auto", "drop_recomputations", "EXACT_MAX_OPS", "CHAIN_DP_MAX_OPS", "ORDER_GAIN", "BOUND_MAX_OPS",
            "BOUND_LIMITED_MAX_OPS", "SMALL_OPS", "GAP_TOLERANCE", "LP_BOUND_SECONDS",
-           "LP_EVICTION_SECONDS", "BLOCK_DP_SECONDS", "BLOCK_DP_MIN_REPEATS", "DROP_SECONDS",
+           "LP_EVICTION_SECONDS", "EARLY_BOUND_SHARE", "BLOCK_DP_SECONDS", "BLOCK_DP_MIN_REPEATS", "DROP_SECONDS",
            "STAGED_SHARE", "STAGED_SECONDS", "STAGED_MAX_OPS"]
 
 log = logging.getLogger(__name__)
@@ -80,6 +80,8 @@ BLOCK_DP_SECONDS = 2.0
 BLOCK_DP_MIN_REPEATS = 8
 #: Without a time limit, seconds at most for the LP bounds at single boundaries.
 LP_BOUND_SECONDS = 2.0
+#: Share of the time left that each stage bound may take before the exact methods.
+EARLY_BOUND_SHARE = 0.15
 #: Seconds below which a step that would start is skipped (it could not finish in time).
 MIN_SLICE = 0.3
 #: Share of the time left that staged recomputation may take when nothing fits before it.
@@ -205,14 +207,30 @@ def solve_auto(graph: ComputeGraph, budget: int, *, time_limit: float | None = N
         return best[0] is None or best[1][0] > base * (1 + 1e-12)
 
     def close_enough() -> bool:
-        """A proven fixed-order bound puts the best schedule within the gap tolerance."""
-        if best[0] is None or reorders.get(best[0].method, True):
+        """A proven bound (fixed-order ones when the best keeps the reference order) puts
+        the best schedule within the gap tolerance."""
+        if best[0] is None:
             return False
-        bounds = [b for b in (best[0].lower_bound, proven[0]) if b is not None]
+        bounds = [found.get("free")]
+        if not reorders.get(best[0].method, True):
+            bounds += [best[0].lower_bound, proven[0], found.get("fixed")]
+        bounds = [b for b in bounds if b is not None]
         if not bounds:
             return False
         cost = best[1][0]
         return cost - max(max(bounds), base) <= tolerance * (cost - base) + 1e-9
+
+    found: dict = {}  # "free", "fixed": the stage bounds once computed
+
+    def stage_bound(scope: str, seconds: float) -> float:
+        """The stage bound of ``scope`` ("free" or "fixed"), computed once, each stopping
+        where it closes the gap of the best schedule so far."""
+        if scope not in found:
+            from solver.bounds import fixed_order_bound, free_order_bound
+
+            fn = free_order_bound if scope == "free" else fixed_order_bound
+            found[scope] = fn(graph, budget, time_limit=seconds, enough=best[1][0] - tolerance * (best[1][0] - base))
+        return found[scope]
 
     base = graph.total("time")
     ref_peak = order_peak(ix, range(n))
@@ -270,7 +288,13 @@ def solve_auto(graph: ComputeGraph, budget: int, *, time_limit: float | None = N
         #    (also when the time is spent and no heuristic fits, with a short slice each:
         #    the only chance left)
         rescue = best[0] is None
-        if n <= EXACT_MAX_OPS and (rescue or (use_exact and left() > 1.0 and extra())):
+        if n <= EXACT_MAX_OPS and use_bound and not rescue and use_exact and left() > 1.0 and extra():
+            # the stage bounds first (a fraction of a second here): the exact methods
+            # run only while they leave the gap open
+            stage_bound("free", EARLY_BOUND_SHARE * left())
+            if not close_enough():
+                stage_bound("fixed", EARLY_BOUND_SHARE * left())
+        if n <= EXACT_MAX_OPS and (rescue or (use_exact and left() > 1.0 and extra() and not close_enough())):
             hint = best[0] if best[0] is not None and not reorders.get(best[0].method, True) else None
             for k, name in enumerate(("cpsat", "checkmate_milp")):
                 if best[0] is not None and (left() <= 1.0 or close_enough()):
@@ -317,20 +341,17 @@ def solve_auto(graph: ComputeGraph, budget: int, *, time_limit: float | None = N
     target = key[0] - tolerance * (key[0] - base)  # a bound this high closes the gap
     if use_bound and not close:
         # the bound valid in any order first: the stage LP at ops placed by the DAG alone
-        from solver.bounds import free_order_bound
-
         f_time = min(0.5 * LP_BOUND_SECONDS, max(0.3, 0.25 * elapsed)) if unlimited else max(0.0, 0.3 * left())
-        flb = min(free_order_bound(graph, budget, time_limit=f_time, enough=target), key[0])
+        flb = min(stage_bound("free", f_time), key[0])
         if flb > base and (bound is None or flb >= bound):
             bound, scope = flb, "free order"
             close = key[0] - bound <= tolerance * (key[0] - base) + 1e-9
     if use_bound and not close and "fixed_order_lower_bound" not in sched.info:
         # then the fixed-order bounds: the forced recomputation (milliseconds on
-        # thousands of ops), then small LPs at the steps most over the budget
-        from solver.bounds import fixed_order_bound
-
+        # thousands of ops), small LPs at the steps most over the budget, then the 0/1
+        # stage program at the best of them
         lp_time = min(LP_BOUND_SECONDS, max(0.3, 0.25 * elapsed)) if unlimited else max(0.0, 0.5 * left())
-        lb = min(fixed_order_bound(graph, budget, time_limit=lp_time, enough=target), key[0])
+        lb = min(stage_bound("fixed", lp_time), key[0])
         if fixed_scope:
             if bound is None or lb > bound:
                 bound, scope = lb, "fixed order"
