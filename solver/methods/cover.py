@@ -9,8 +9,9 @@ resident at ``s(u)`` (its *closure*). :func:`cover_keep` picks the values to fre
 the bytes freed at each step cover that step's excess over the budget, at the least
 time -- a set-multicover problem, solved as a small MILP (SCIP):
 
-* ``x_u`` in {0, 1}: ``u`` is freed; cost: the time of ``u``'s closure from the values
-  that the store-all run holds at ``s(u)``;
+* ``x_u`` in {0, 1}: ``u`` is freed; cost: the time of ``u`` and of the other ops of its
+  closure (from the values that the store-all run holds at ``s(u)``), each op charged
+  once however many closures hold it (the backward's first copy serves the later ones);
 * a freed value ``j`` that the closure of a freed ``u`` reads, with ``s(u)`` inside
   ``j``'s gap, is computed again at ``s(u)`` already and stays from there on: ``j``
   frees its bytes from ``s(u)`` on only while no such ``u`` is freed (one variable
@@ -42,24 +43,24 @@ __all__ = ["cover", "cover_keep", "relieved_from_keep", "MARGINS", "MAX_CLOSURE"
 log = logging.getLogger(__name__)
 
 #: The margins :func:`cover` tries, of the budget left below it for recomputations.
-MARGINS = (0.0, 0.02, 0.05)
+MARGINS = (0.0, 0.01, 0.02, 0.05)
 #: A closure may hold at most this many ops (past it the value is not a candidate).
 MAX_CLOSURE = 64
 
 
-def _closure(ix: IndexedGraph, u: int, s: int, resident) -> tuple[float, set[int]] | None:
-    """Time of computing ``u`` again just before step ``s`` from the inputs that are
-    ``resident(j, s)``, and those inputs; None past :data:`MAX_CLOSURE` ops or at an op
-    that cannot run twice."""
+def _closure(ix: IndexedGraph, u: int, s: int, resident) -> tuple[list[int], set[int]] | None:
+    """The ops that computing ``u`` again just before step ``s`` runs (``u`` first), from
+    the inputs that are ``resident(j, s)``, and those inputs; None past
+    :data:`MAX_CLOSURE` ops or at an op that cannot run twice."""
+    members = [u]
     seen = {u}
-    todo = [u]
-    total = 0.0
     inputs = set()
-    while todo:
-        x = todo.pop()
-        if not ix.recomputable[x] or len(seen) > MAX_CLOSURE:
+    k = 0
+    while k < len(members):
+        x = members[k]
+        k += 1
+        if not ix.recomputable[x] or len(members) > MAX_CLOSURE:
             return None
-        total += ix.time[x]
         for j in ix.preds[x]:
             if j in seen or j in inputs:
                 continue
@@ -67,8 +68,8 @@ def _closure(ix: IndexedGraph, u: int, s: int, resident) -> tuple[float, set[int
                 inputs.add(j)
             else:
                 seen.add(j)
-                todo.append(j)
-    return total, inputs
+                members.append(j)
+    return members, inputs
 
 
 def cover_keep(graph: ComputeGraph, budget_bytes: int, *, margin: float = 0.0, time_limit: float | None = None,
@@ -139,25 +140,36 @@ def cover_keep(graph: ComputeGraph, budget_bytes: int, *, margin: float = 0.0, t
         """Resident at ``s`` in the store-all run."""
         return j < s <= last[j]
 
-    cost: dict[int, float] = {}
+    closure: dict[int, list[int]] = {}
     pulls: dict[int, dict[int, list[int]]] = {}  # j -> step -> the values computed again there from j
     for u, (p, s) in gap.items():
         got = _closure(ix, u, s, resident)
         if got is None:
             continue
-        cost[u], inputs = got
+        closure[u], inputs = got
         for j in inputs:
             if j in gap and gap[j][0] < s < gap[j][1]:
                 pulls.setdefault(j, {}).setdefault(s, []).append(u)
-    if not cost:
+    if not closure:
         return {ix.ids[v] for v in saved}
     lp = create_solver("SCIP")
     if time_limit is not None:
         lp.SetTimeLimit(max(1, int(1000 * time_limit)))
-    x = {u: lp.IntVar(0.0, 1.0, "") for u in cost}
+    x = {u: lp.IntVar(0.0, 1.0, "") for u in closure}
     objective = lp.Objective()
-    for u, var in x.items():
-        objective.SetCoefficient(var, cost[u])
+    # the time of each op computed again, once however many closures run it (the copy
+    # made for the first serves the later ones)
+    again: dict[int, object] = {}
+    for u, members in closure.items():
+        objective.SetCoefficient(x[u], ix.time[u])
+        for m in members[1:]:
+            r = again.get(m)
+            if r is None:
+                r = again[m] = lp.NumVar(0.0, 1.0, "")
+                objective.SetCoefficient(r, ix.time[m])
+            k = lp.Constraint(0.0, lp.infinity())
+            k.SetCoefficient(r, 1.0)
+            k.SetCoefficient(x[u], -1.0)
     # the bytes each freed value frees at each step: its gap, cut where a freed value
     # whose closure reads it computes it again earlier (it stays from there on)
     covers: dict[int, list] = {}
@@ -181,7 +193,7 @@ def cover_keep(graph: ComputeGraph, budget_bytes: int, *, margin: float = 0.0, t
                 k2.SetCoefficient(z, 1.0)
                 k2.SetCoefficient(x[u], 1.0)
             start, prev = c, z
-    big = 10.0 * (sum(cost.values()) + 1.0)
+    big = 10.0 * (sum(ix.time) + 1.0)
     scale = 1.0 / max(1.0, max(over.values()))
     for t, e in over.items():
         slack = lp.NumVar(0.0, lp.infinity(), "")
