@@ -182,16 +182,18 @@ def improve_sequence(graph: ComputeGraph, sequence: Sequence[Hashable], budget_b
 
 def lp_starts(graph: ComputeGraph, budget_bytes: int, *, deadline: float, rounds: int = 6,
               ix: IndexedGraph | None = None):
-    """Schedules of the reference order built from the stage LP's plan, one per round.
+    """Schedules of the reference order built from the stage LP's plan, two per round.
 
     Round 1 solves :func:`solver.bounds.stage_lp_bound` at the step most over the budget;
     the forward values read by the backward that the LP keeps live there (fraction at
     least one half) are kept and the others computed again for the backward
-    (:func:`solver.plans.sequence_from_keep`); staged relief
+    (:func:`solver.plans.sequence_from_keep`) -- and, for a second schedule, every forward
+    value it keeps live, those that only the forward reads included; staged relief
     (:func:`solver.methods.staged.relieve`) brings the stages still over the budget
     under it and :func:`~solver.methods.drop.drop_recomputations` removes what the
     budget does not need. Each next round adds, as a boundary of the LP, the later step
-    that the previous round's kept set left most over the budget (row generation).
+    that the previous round's second kept set left most over the budget (row
+    generation).
 
     Yields
     ------
@@ -218,12 +220,15 @@ def lp_starts(graph: ComputeGraph, budget_bytes: int, *, deadline: float, rounds
                                time_limit=max(0.0, deadline - _time.perf_counter()))
         if bound is None or not np.isfinite(bound) or not live:
             return
-        keep = {v for v in saved if live.get(v, 1.0) >= 0.5}
-        ids, seq = relieved_from_keep(graph, keep, budget_bytes, deadline=deadline, ix=ix)
-        if not seq:
-            return
-        if ids is not None:
-            yield ids
+        # what the backward reads, and everything the LP holds (a value that a closure
+        # reads then stays instead of being computed again: more memory, less time)
+        for values in (saved, forward):
+            ids, seq = relieved_from_keep(graph, {v for v in values if live.get(v, 1.0) >= 0.5}, budget_bytes,
+                                          deadline=deadline, ix=ix)
+            if not seq:
+                return
+            if ids is not None:
+                yield ids
         raw = simulate(graph, seq)
         # the next boundary: the later first run whose stage the kept set leaves most over
         seen: set = set()
