@@ -41,7 +41,7 @@ from solver.registry import register
 from solver.schedule import Schedule
 from solver.simulate import simulate
 
-__all__ = ["improve_sequence", "lns", "lp_starts", "NOISE", "STARTS", "WINDOW"]
+__all__ = ["improve_sequence", "lns", "lp_starts", "CANDIDATES", "NOISE", "STARTS", "WINDOW"]
 
 log = logging.getLogger(__name__)
 
@@ -51,6 +51,8 @@ WINDOW = 0.02
 STARTS = 3
 #: How much the repair may scale the candidates' ratios (one drawn per round).
 NOISE = (0.3, 1.0, 3.0)
+#: How many candidates the repair weighs per step (one drawn per round).
+CANDIDATES = (8, 16, 32)
 #: Costs this close (relative) are equal.
 _ULPS = 1e-12
 
@@ -166,7 +168,8 @@ def improve_sequence(graph: ComputeGraph, sequence: Sequence[Hashable], budget_b
         if len(ruined) == len(state[0]):
             continue
         plan = _Plan.of_sequence(ix, order, ruined)
-        if not relieve(plan, state[2], deadline=deadline, avoid=avoid, rng=rng, noise=rng.choice(NOISE)):
+        if not relieve(plan, state[2], deadline=deadline, avoid=avoid, rng=rng, noise=rng.choice(NOISE),
+                       max_candidates=rng.choice(CANDIDATES)):
             continue
         ids = drop_recomputations(graph, [ix.ids[i] for i in plan.sequence()], budget_bytes, deadline=deadline)
         r = simulate(graph, ids)
