@@ -475,13 +475,14 @@ def _relaxation(graph: ComputeGraph, budget_bytes: int, ops: list, index: dict, 
 
 
 
-def _over_budget(graph: ComputeGraph, ops: list, excess: list) -> list[int]:
-    """The steps over the budget, most over first, one per multi-output op (the
-    projections of one op share their inputs and mostly their excess)."""
+def _over_budget(graph: ComputeGraph, ops: list, excess: list, *, every: bool = False) -> list[int]:
+    """The steps over the budget (with ``every``, all steps), most over first, one per
+    multi-output op (the projections of one op share their inputs and mostly their
+    excess)."""
     nodes = graph.nx.nodes
     seen = set()
     out = []
-    for t in sorted((t for t in range(len(ops)) if excess[t] > 0), key=lambda t: (-excess[t], t)):
+    for t in sorted((t for t in range(len(ops)) if every or excess[t] > 0), key=lambda t: (-excess[t], t)):
         group = nodes[ops[t]].get("group")
         if group is not None:
             if group in seen:
@@ -496,8 +497,9 @@ TRIES = 12
 #: Boundaries of the 0/1 stage programs that the bounds try after the LPs: the best
 #: LP boundary alone, then the best two, then the best four, while time is left.
 INTEGRAL_SETS = (1, 2, 4)
-#: The last 0/1 stage program has a boundary at each of this many steps over the budget
-#: (one per multi-output op, the most over first).
+#: The last 0/1 stage program has a boundary at each of this many steps, the most over
+#: the budget first (one per multi-output op): a step that fits store-all may not fit
+#: beside the values computed again for a later one.
 EVERY = 64
 #: Without a time limit, seconds at most for those programs in all.
 INTEGRAL_SECONDS = 2.0
@@ -577,8 +579,8 @@ def fixed_order_bound(graph: ComputeGraph, budget_bytes: int, *, tries: int = TR
     :func:`forced_recompute_bound`, :func:`stage_lp_bound` at single boundaries (the
     ``tries`` steps of the reference order most over the budget or where the forced
     recomputation is largest) and the 0/1 stage program at the best one, two and four
-    of them (:data:`INTEGRAL_SETS`) and at every step over the budget (:data:`EVERY`
-    at most), each after the other while time is left (each bound holds alone, so the
+    of them (:data:`INTEGRAL_SETS`) and at the :data:`EVERY` steps most over the
+    budget, each after the other while time is left (each bound holds alone, so the
     largest holds).
 
     Parameters
@@ -605,7 +607,7 @@ def fixed_order_bound(graph: ComputeGraph, budget_bytes: int, *, tries: int = TR
     >>> for v, nb, t in zip("xyzuw", [1, 3, 2, 1, 1], [10, 1, 1, 1, 1]): g.add_node(v, bytes=nb, time=float(t))
     >>> for e in ["xy", "yz", "zu", "uw", "yw"]: g.add_edge(*e)
     >>> round(forced_recompute_bound(g, 5), 3), round(fixed_order_bound(g, 5), 3)
-    (14.333, 15.0)
+    (14.333, 25.0)
     """
     from solver.deadline import Deadline
 
@@ -621,7 +623,7 @@ def fixed_order_bound(graph: ComputeGraph, budget_bytes: int, *, tries: int = TR
                               integral=integral)
 
     return _best_of(bound_at, _candidates(graph, budget_bytes, ops, excess)[:tries], graph.total("time"), best,
-                    deadline, time_limit, enough, every=_over_budget(graph, ops, excess)[:EVERY])
+                    deadline, time_limit, enough, every=_over_budget(graph, ops, excess, every=True)[:EVERY])
 
 
 # ------------------------------------------------------------------ free order

@@ -48,7 +48,7 @@ from solver.simulate import simulate
 
 __all__ = ["solve_auto", "drop_recomputations", "EXACT_MAX_OPS", "CHAIN_DP_MAX_OPS", "ORDER_GAIN", "BOUND_MAX_OPS",
            "BOUND_LIMITED_MAX_OPS", "SMALL_OPS", "GAP_TOLERANCE", "LP_BOUND_SECONDS",
-           "LP_EVICTION_SECONDS", "EARLY_BOUND_SHARE", "BLOCK_DP_SECONDS", "BLOCK_DP_MIN_REPEATS", "DROP_SECONDS",
+           "LP_EVICTION_SECONDS", "EARLY_BOUND_SHARE", "MILP_BOUND_SHARE", "BLOCK_DP_SECONDS", "BLOCK_DP_MIN_REPEATS", "DROP_SECONDS",
            "STAGED_SHARE", "STAGED_SECONDS", "STAGED_MAX_OPS"]
 
 log = logging.getLogger(__name__)
@@ -82,6 +82,9 @@ BLOCK_DP_MIN_REPEATS = 8
 LP_BOUND_SECONDS = 2.0
 #: Share of the time left that each stage bound may take before the exact methods.
 EARLY_BOUND_SHARE = 0.15
+#: Share of the time left for :func:`solver.methods.milp.lower_bound` before the exact
+#: methods (when the stage bounds leave the gap open).
+MILP_BOUND_SHARE = 0.6
 #: Seconds below which a step that would start is skipped (it could not finish in time).
 MIN_SLICE = 0.3
 #: Share of the time left that staged recomputation may take when nothing fits before it.
@@ -213,23 +216,35 @@ def solve_auto(graph: ComputeGraph, budget: int, *, time_limit: float | None = N
             return False
         bounds = [found.get("free")]
         if not reorders.get(best[0].method, True):
-            bounds += [best[0].lower_bound, proven[0], found.get("fixed")]
+            bounds += [best[0].lower_bound, proven[0], found.get("fixed"), found.get("milp")]
         bounds = [b for b in bounds if b is not None]
         if not bounds:
             return False
         cost = best[1][0]
         return cost - max(max(bounds), base) <= tolerance * (cost - base) + 1e-9
 
-    found: dict = {}  # "free", "fixed": the stage bounds once computed
+    found: dict = {}  # "free", "fixed", "milp": the bounds once computed (None: none in time)
 
-    def stage_bound(scope: str, seconds: float) -> float:
-        """The stage bound of ``scope`` ("free" or "fixed"), computed once, each stopping
-        where it closes the gap of the best schedule so far."""
+    def stage_bound(scope: str, seconds: float) -> float | None:
+        """The bound of ``scope``, computed once, stopping where it closes the gap of the
+        best schedule so far: "free" and "fixed", the stage bounds of either order
+        freedom; "milp", the fixed-order bound of :func:`solver.methods.milp.lower_bound`
+        (the LP relaxation of the exact model on small graphs)."""
         if scope not in found:
             from solver.bounds import fixed_order_bound, free_order_bound
+            from solver.methods import milp
 
-            fn = free_order_bound if scope == "free" else fixed_order_bound
-            found[scope] = fn(graph, budget, time_limit=seconds, enough=best[1][0] - tolerance * (best[1][0] - base))
+            enough = best[1][0] - tolerance * (best[1][0] - base)
+            if scope == "milp":
+                try:
+                    lb = milp.lower_bound(graph, budget, time_limit=seconds, order="fixed", enough=enough)
+                    found[scope] = float(lb) if lb is not None and math.isfinite(lb) else None
+                except (SolverError, ValueError) as exc:
+                    log.debug("no lower bound for %s: %s", graph.name, exc)
+                    found[scope] = None
+            else:
+                fn = free_order_bound if scope == "free" else fixed_order_bound
+                found[scope] = fn(graph, budget, time_limit=seconds, enough=enough)
         return found[scope]
 
     base = graph.total("time")
@@ -294,6 +309,10 @@ def solve_auto(graph: ComputeGraph, budget: int, *, time_limit: float | None = N
             stage_bound("free", EARLY_BOUND_SHARE * left())
             if not close_enough():
                 stage_bound("fixed", EARLY_BOUND_SHARE * left())
+            if not close_enough():
+                # the exact model's LP relaxation proves more than the exact methods
+                # do in the same time where they find nothing better (captured U-Net)
+                stage_bound("milp", MILP_BOUND_SHARE * left())
         if n <= EXACT_MAX_OPS and (rescue or (use_exact and left() > 1.0 and extra() and not close_enough())):
             hint = best[0] if best[0] is not None and not reorders.get(best[0].method, True) else None
             for k, name in enumerate(("cpsat", "checkmate_milp")):
@@ -338,7 +357,6 @@ def solve_auto(graph: ComputeGraph, budget: int, *, time_limit: float | None = N
             sched.info["fixed_order_lower_bound"] = float(sched.lower_bound)
     scope = "free order" if bound is not None and sched.info.get("bound_scope") == "free order" else "fixed order"
     close = bound is not None and key[0] - bound <= tolerance * (key[0] - base) + 1e-9
-    target = key[0] - tolerance * (key[0] - base)  # a bound this high closes the gap
     if use_bound and not close:
         # the bound valid in any order first: the stage LP at ops placed by the DAG alone
         f_time = min(0.5 * LP_BOUND_SECONDS, max(0.3, 0.25 * elapsed)) if unlimited else max(0.0, 0.3 * left())
@@ -361,20 +379,16 @@ def solve_auto(graph: ComputeGraph, budget: int, *, time_limit: float | None = N
     if use_bound and not close and "fixed_order_lower_bound" not in sched.info:
         # a small share of the time when no limit was given (solver.optimize calls auto)
         b_time = min(2.0, max(0.2, 0.25 * elapsed)) if unlimited else left()
-        if b_time > 0.1 and (n <= BOUND_MAX_OPS or (not unlimited and b_time >= 5.0 and n <= BOUND_LIMITED_MAX_OPS)):
-            try:
-                from solver.methods import milp
-
-                lb = milp.lower_bound(graph, budget, time_limit=b_time, order="fixed", enough=target)
-                if lb is not None and math.isfinite(lb):
-                    lb = min(float(lb), key[0])
-                    if fixed_scope:
-                        if bound is None or lb > bound:
-                            bound, scope = lb, "fixed order"
-                    else:
-                        sched.info["fixed_order_lower_bound"] = max(lb, sched.info.get("fixed_order_lower_bound", lb))
-            except (ImportError, AttributeError, SolverError, ValueError) as exc:
-                log.debug("no lower bound for %s: %s", graph.name, exc)
+        if "milp" in found or (b_time > 0.1 and (n <= BOUND_MAX_OPS or (not unlimited and b_time >= 5.0
+                                                                         and n <= BOUND_LIMITED_MAX_OPS))):
+            lb = stage_bound("milp", b_time)
+            if lb is not None:
+                lb = min(lb, key[0])
+                if fixed_scope:
+                    if bound is None or lb > bound:
+                        bound, scope = lb, "fixed order"
+                else:
+                    sched.info["fixed_order_lower_bound"] = max(lb, sched.info.get("fixed_order_lower_bound", lb))
     if bound is None and key[0] > base * (1 + 1e-12):
         bound, scope = base, "free order"  # every schedule runs each op at least once
     sched.lower_bound = bound
