@@ -536,7 +536,8 @@ def _best_of(bound_at, marks: list, base: float, best: float, deadline, time_lim
     """Raise ``best`` with ``bound_at(boundaries, integral, seconds)`` at each of
     ``marks`` alone (the LP), with ``together`` at ``arrange(marks)`` too, then the 0/1
     program at ``arrange`` of the best :data:`INTEGRAL_SETS` of them and at ``arrange(every)``,
-    while time is left and ``best`` is below ``enough``. ``arrange`` puts boundaries in
+    while time is left, ``best`` is below ``enough`` and the last program was solved
+    within its share of the time. ``arrange`` puts boundaries in
     the order the bound takes them and drops those it cannot take."""
     done = lambda: math.isinf(best) or (enough is not None and best >= enough)  # noqa: E731
     seconds = lambda: None if time_limit is None else max(0.0, deadline.left())  # noqa: E731
@@ -567,9 +568,13 @@ def _best_of(bound_at, marks: list, base: float, best: float, deadline, time_lim
         left = until - _time.perf_counter()
         if done() or left <= 0.05:
             break
-        lb = bound_at(picked, True, left / (len(trials) - j))
+        share = left / (len(trials) - j)
+        started = _time.perf_counter()
+        lb = bound_at(picked, True, share)
         if lb is not None:
             best = max(best, lb)
+        if _time.perf_counter() - started > 0.9 * share:
+            break  # it ran out of time: a larger program would too
     return best
 
 
