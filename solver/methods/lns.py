@@ -41,12 +41,14 @@ from solver.registry import register
 from solver.schedule import Schedule
 from solver.simulate import simulate
 
-__all__ = ["improve_sequence", "lns", "lp_starts", "CANDIDATES", "NOISE", "STARTS", "WINDOW"]
+__all__ = ["improve_sequence", "lns", "lp_starts", "CANDIDATES", "NOISE", "START_SHARE", "STARTS", "WINDOW"]
 
 log = logging.getLogger(__name__)
 
 #: Stages in a window ruin, as a fraction of the ops (at least 4 stages).
 WINDOW = 0.02
+#: Share of ``lns``'s time for its starts (past it, a start still runs while none fits).
+START_SHARE = 0.4
 #: How many of the cheapest starts ``lns`` takes turns on.
 STARTS = 3
 #: How much the repair may scale the candidates' ratios (one drawn per round).
@@ -252,9 +254,9 @@ def lp_starts(graph: ComputeGraph, budget_bytes: int, *, deadline: float, rounds
 @register("lns", family="heuristic", order="fixed")
 def lns(graph: ComputeGraph, budget_bytes: int, *, time_limit: float | None = None, seed: int = 0,
         **_) -> Schedule:
-    """Large neighbourhood search from the cheapest of ``lp_eviction``, staged
-    recomputation, ``cover`` and the stage LP's plans (:func:`lp_starts`) on the
-    reference order.
+    """Large neighbourhood search from the cheapest of ``cover``, ``lp_eviction``,
+    staged recomputation and the stage LP's plans (:func:`lp_starts`) on the reference
+    order, built in that order while their share of the time lasts.
 
     Parameters
     ----------
@@ -262,7 +264,8 @@ def lns(graph: ComputeGraph, budget_bytes: int, *, time_limit: float | None = No
     budget_bytes : int
         Peak bytes allowed, fixed bytes included.
     time_limit : float, optional
-        Seconds in all (default 10): the starts get a third at most, the search the rest.
+        Seconds in all (default 10): the starts get :data:`START_SHARE` of them (more
+        while none fits), the search the rest.
     seed : int
         Seed of the search.
 
@@ -292,25 +295,34 @@ def lns(graph: ComputeGraph, budget_bytes: int, *, time_limit: float | None = No
     t0 = _time.perf_counter()
     limit = 10.0 if time_limit is None else float(time_limit)
     ix = IndexedGraph.of(graph)
+    phase = t0 + START_SHARE * limit  # the starts stop here once one is found
     starts = []
     bound = None
-    try:
-        s = lp_eviction(graph, budget_bytes, time_limit=limit / 9)
-        starts.append((simulate(graph, s).cost, "lp_eviction", s.sequence))
-        bound = s.lower_bound
-    except NoScheduleFound:
-        pass
-    seq = staged_sequence(ix, range(ix.n), budget_bytes, deadline=t0 + 2 * limit / 9)
-    if seq is not None:
-        ids = drop_recomputations(graph, [ix.ids[i] for i in seq], budget_bytes, deadline=t0 + 2 * limit / 9)
-        starts.append((simulate(graph, ids).cost, "staged", ids))
+
+    def left() -> float:
+        return max(0.0, phase - _time.perf_counter())
+
     if graph.backward_nodes():
         try:
-            s = cover(graph, budget_bytes, time_limit=limit / 9)
+            s = cover(graph, budget_bytes, time_limit=left())
             starts.append((simulate(graph, s).cost, "cover", s.sequence))
         except NoScheduleFound:
             pass
-        for ids in lp_starts(graph, budget_bytes, deadline=t0 + limit / 3, ix=ix):
+    if not starts or left() > 0:
+        try:
+            s = lp_eviction(graph, budget_bytes, time_limit=left() if starts else max(left(), 0.5 * limit))
+            starts.append((simulate(graph, s).cost, "lp_eviction", s.sequence))
+            bound = s.lower_bound
+        except NoScheduleFound:
+            pass
+    if not starts or left() > 0:
+        end = _time.perf_counter() + (left() if starts else max(left(), 0.25 * limit))
+        seq = staged_sequence(ix, range(ix.n), budget_bytes, deadline=end)
+        if seq is not None:
+            ids = drop_recomputations(graph, [ix.ids[i] for i in seq], budget_bytes, deadline=end)
+            starts.append((simulate(graph, ids).cost, "staged", ids))
+    if graph.backward_nodes() and left() > 0:
+        for ids in lp_starts(graph, budget_bytes, deadline=phase, ix=ix):
             starts.append((simulate(graph, ids).cost, "stage_lp", ids))
     if not starts:
         raise NoScheduleFound(f"lns found no start within {budget_bytes} B for {graph.name or 'the graph'} in "

@@ -130,3 +130,17 @@ def test_the_search_keeps_another_order_of_first_runs(n, seed, frac):
     assert r.valid and r.peak_bytes <= budget
     assert r.cost <= solver.simulate(g, start).cost * (1 + 1e-9)
     assert _first_runs(out) == [ix.ids[i] for i in order]
+
+
+def test_lns_keeps_its_time_limit():
+    g = random_training_graph(150, seed=3)
+    budget = int(0.9 * solver.simulate(g, g.order).peak_bytes)
+    t0 = time.perf_counter()
+    try:
+        s = lns(g, budget, time_limit=1.0)
+    except NoScheduleFound:  # a loaded machine may leave the starts too little time
+        s = None
+    assert time.perf_counter() - t0 <= 2.0  # the limit, with a second of slack
+    if s is not None:
+        r = solver.simulate(g, s)
+        assert r.valid and r.peak_bytes <= budget
