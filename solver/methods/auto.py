@@ -81,7 +81,7 @@ BLOCK_DP_MIN_REPEATS = 8
 #: Without a time limit, seconds at most for the LP bounds at single boundaries.
 LP_BOUND_SECONDS = 2.0
 #: Share of the time left that each stage bound may take before the exact methods.
-EARLY_BOUND_SHARE = 0.15
+EARLY_BOUND_SHARE = 0.25
 #: Share of the time left for :func:`solver.methods.milp.lower_bound` before the exact
 #: methods (when the stage bounds leave the gap open).
 MILP_BOUND_SHARE = 0.6
@@ -306,9 +306,12 @@ def solve_auto(graph: ComputeGraph, budget: int, *, time_limit: float | None = N
         if n <= EXACT_MAX_OPS and use_bound and not rescue and use_exact and left() > 1.0 and extra():
             # the stage bounds first (a fraction of a second here): the exact methods
             # run only while they leave the gap open
-            stage_bound("free", EARLY_BOUND_SHARE * left())
-            if not close_enough():
-                stage_bound("fixed", EARLY_BOUND_SHARE * left())
+            # (the fixed-order one first where the best schedule keeps the reference
+            # order: it is the stronger)
+            scopes = ("free", "fixed") if reorders.get(best[0].method, True) else ("fixed", "free")
+            for scope in scopes:
+                if not close_enough():
+                    stage_bound(scope, EARLY_BOUND_SHARE * left())
             if not close_enough():
                 # the exact model's LP relaxation proves more than the exact methods
                 # do in the same time where they find nothing better (captured U-Net)
