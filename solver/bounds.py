@@ -1,4 +1,11 @@
-"""Cheap lower bounds on the compute of a schedule, without a solver.
+"""Lower bounds on the compute of a schedule: a solver-free one, and the stage
+relaxations (an LP, and the 0/1 program that an LP or MILP solver bounds).
+
+:func:`fixed_order_bound` and :func:`free_order_bound` are the entry points: the best
+bound each finds in a time limit, for schedules that keep the reference order and for
+any order. Both try :func:`stage_lp_bound` (:func:`free_stage_lp_bound`) at single
+boundaries, then the 0/1 stage program at the best few: on captured CNNs, where every
+heavy op has several outputs, the peak is at a projection, which may be a boundary.
 
 :func:`forced_recompute_bound` holds for every sequence whose *first* computations follow
 the reference order (the fixed-order freedom of ``checkmate_milp``, ``cpsat``,
