@@ -272,7 +272,7 @@ def cpsat(
     """
     from ortools.sat.python import cp_model
 
-    from solver.methods.milp import _candidate_hints, lp_lower_bound
+    from solver.methods.milp import _candidate_hints, _exact_workspaces, lp_lower_bound
 
     t0 = time.perf_counter()
     budget = int(budget_bytes)
@@ -362,6 +362,8 @@ def cpsat(
                                   f"{budget} B (proven by CP-SAT); allow more copies (copies='auto')")
         raise NoScheduleFound(f"cpsat found no schedule within {budget} B in {limit:.0f} s; "
                               f"give a longer time_limit or a warm start (hint=)")
+    if not _exact_workspaces(graph):
+        bound = None  # the model over-charges projections that continue a run: not a bound
     if bound is None:
         remaining = deadline.left()
         lp = lp_lower_bound(graph, budget, time_limit=remaining) if remaining > 1 else None

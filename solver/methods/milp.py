@@ -50,6 +50,7 @@ from dataclasses import dataclass, field
 from typing import Hashable, Sequence
 
 from graphs import ComputeGraph
+from solver.bounds import _least_workspace
 from solver.deadline import Deadline, OutOfTime
 from solver.errors import NoScheduleFound, SolverError
 from solver.lp_backend import create_solver, solve_quietly
@@ -177,7 +178,8 @@ def _build(graph: ComputeGraph, budget: int, backend: str, *, relax: bool,
     succ = [sorted(index[w] for w in graph.op_succs(v)) for v in ops]
     pred = [sorted(index[u] for u in graph.op_preds(v)) for v in ops]
     size = [int(graph[v]["bytes"]) for v in ops]
-    ws = [int(graph[v].get("workspace", 0)) for v in ops]
+    # the relaxation charges a projection the workspace of a run it may continue
+    ws = [_least_workspace(graph[v]) if relax else int(graph[v].get("workspace", 0)) for v in ops]
     tm = [float(graph[v]["time"]) for v in ops]
     recomputable = [bool(graph[v].get("recomputable", True)) for v in ops]
     output = [bool(graph[v].get("output", False)) for v in ops]
@@ -475,6 +477,8 @@ def checkmate_milp(
             optimal = status == pywraplp.Solver.OPTIMAL and shrink == 0
             if bound is not None and not math.isfinite(bound):
                 bound = None
+            if not _exact_workspaces(graph):
+                optimal, bound = False, None  # the model over-charges projections that continue a run
             lb = r.cost if optimal else (min(bound, r.cost) if bound is not None and shrink == 0 else None)
             log.info("checkmate_milp: %s, cost %.6g, bound %s, %.2f s", "optimal" if optimal else "feasible",
                      r.cost, lb, time.perf_counter() - t0)
@@ -495,6 +499,13 @@ def checkmate_milp(
         f"checkmate_milp found no schedule within {budget} B in {limit:.3g} s ({why}); give a longer "
         f"time_limit or a warm start (hint=)"
     )
+
+
+def _exact_workspaces(graph: ComputeGraph) -> bool:
+    """Whether the MILP charges every op's workspace as the simulator does: no projection
+    of a multi-output op is charged less when it continues a run (``run_workspace``)."""
+    nodes = graph.nx.nodes
+    return all(_least_workspace(nodes[v]) == int(nodes[v].get("workspace", 0)) for v in graph.order)
 
 
 def _stage_end_lp(graph: ComputeGraph, budget: int, backend: str, *, deadline: Deadline | None = None):
@@ -548,7 +559,7 @@ def _stage_end_lp(graph: ComputeGraph, budget: int, backend: str, *, deadline: D
     for t in range(n):
         v = ops[t]
         inputs = set(pred[t])
-        need = fixed + size[t] + int(graph[v].get("workspace", 0)) + sum(size[p] for p in inputs)
+        need = fixed + size[t] + _least_workspace(graph[v]) + sum(size[p] for p in inputs)
         kept = [size[i] * scale * S[t + 1, i] for i in range(t) if i not in inputs and (t + 1, i) in S]
         solver.Add(sum(kept) + need * scale <= budget * scale) if kept else None
     solver.Minimize(sum(c * x for x, c in terms) if terms else 0)

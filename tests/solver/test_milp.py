@@ -93,3 +93,30 @@ def test_milp_and_chain_dp_agree_on_chains(n, seed, frac):
         return
     dp = solve(g, budget, method="chain_dp")
     assert milp.cost == pytest.approx(dp.cost)
+
+
+def _run_graph():
+    """``a`` feeds the two projections of one op; their reader ``c`` reads both. The
+    second projection needs 10 B of workspace alone, none when it continues the run."""
+    from graphs import ComputeGraph
+
+    g = ComputeGraph()
+    g.add_node("a", bytes=1, time=1.0)
+    for k in range(2):
+        g.add_node(f"p{k}", bytes=1, time=1.0, group="op", group_index=k, group_time=2.0,
+                   workspace=10 * k, run_workspace=0)
+        g.add_edge("a", f"p{k}")
+    g.add_node("c", bytes=1, time=1.0)
+    g.add_edge("p0", "c")
+    g.add_edge("p1", "c")
+    return g
+
+
+def test_bounds_charge_a_projection_the_workspace_of_the_run_it_continues():
+    from solver.methods.milp import stage_end_lower_bound
+
+    g = _run_graph()
+    r = simulate(g, g.order)  # p1 continues p0's run: no workspace
+    assert r.valid and r.peak_bytes == 3
+    assert stage_end_lower_bound(g, r.peak_bytes) <= r.cost
+    assert lp_lower_bound(g, r.peak_bytes) <= r.cost
