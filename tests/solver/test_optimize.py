@@ -24,8 +24,20 @@ ZOO = {
     "hf_gpt2": lambda: models.hf_gpt2(n_layer=2, d=64, seq=64, batch=4),
     "hf_llama": lambda: models.hf_llama(n_layer=2, d=64, seq=64, batch=4),
 }
-FRACTIONS = [1.0, 0.7, 0.5, 0.3, "min+10%"]
-MODULE_MODELS = ["resnet", "unet", "gpt", "hf_gpt2", "hf_llama"]
+# Graph mode at store-all (no recomputation: the plan must fit), at 0.7 of it and at 10 %
+# above the smallest feasible peak (the most recomputation). 0.5 of store-all lies at or
+# below the smallest feasible peak of every model but the transformers, where it is within
+# 0.1 of "min+10%"; 0.3 lies below it for all seven (InfeasibleBudget, as 0.7 for the UNet
+# and the in-place MLP). test_graph_mode_quick runs the MLP at 0.7 and the GPT at "min+10%".
+GRAPH_ZOO = [(name, frac) for name in ZOO for frac in (1.0, 0.7, "min+10%")
+             if (name, frac) not in (("mlp", 0.7), ("gpt", "min+10%"))]
+# Module mode: every budget of the convolutional models is infeasible (the error path,
+# once each); the GPT at 0.7 plans save_matmuls and full blocks, at 0.5 full blocks; the
+# HF models plan a full block at 0.7 and find 0.5 infeasible. At store-all the plans
+# checkpoint nothing (save_matmuls for the GPT, as at 0.7), and 0.3 and "min+10%" are
+# infeasible for all five.
+MODULE_ZOO = [("resnet", 0.7), ("unet", 0.7)] + [(name, frac) for name in ("gpt", "hf_gpt2", "hf_llama")
+                                                  for frac in (0.7, 0.5)]
 
 
 def _call(model, inputs):
@@ -41,10 +53,15 @@ def _peaks(name):
 _PEAKS: dict = {}
 
 
-def _budget(name, frac):
+def _peaks_of(name):
+    """:func:`_peaks`, once per model and worker (a figure of the model's shapes alone)."""
     if name not in _PEAKS:
         _PEAKS[name] = _peaks(name)
-    store_all, low = _PEAKS[name]
+    return _PEAKS[name]
+
+
+def _budget(name, frac):
+    store_all, low = _peaks_of(name)
     return int(1.1 * low) if frac == "min+10%" else int(frac * store_all)
 
 
@@ -100,8 +117,7 @@ def test_graph_mode_quick(name, frac):
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("frac", FRACTIONS)
-@pytest.mark.parametrize("name", ["mlp", "resnet", "unet", "gpt", "inplace_mlp", "hf_gpt2", "hf_llama"])
+@pytest.mark.parametrize("name,frac", GRAPH_ZOO)
 def test_graph_mode_zoo(name, frac):
     _check(name, frac, "graph")
 
@@ -118,8 +134,7 @@ def test_graph_mode_rewrite_alone_reproduces_gradients(method):
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("frac", FRACTIONS)
-@pytest.mark.parametrize("name", MODULE_MODELS)
+@pytest.mark.parametrize("name,frac", MODULE_ZOO)
 def test_module_mode_zoo(name, frac):
     _check(name, frac, "module")
 
@@ -131,7 +146,7 @@ def test_module_mode_quick():
 
 def test_recomputation_really_happens_below_store_all():
     model, inputs = ZOO["gpt"]()
-    store_all, low = _PEAKS.get("gpt") or _peaks("gpt")
+    store_all, low = _peaks_of("gpt")
     budget = (store_all + low) // 2
     fast = solver.optimize(model, budget / GiB, inputs, measure_time=False)
     assert fast.report.recomputed > 0
@@ -180,7 +195,7 @@ def test_lazy_planning_on_first_call_and_replanning_on_new_shapes():
 
 def test_eval_and_no_grad_run_the_original_forward():
     model, inputs = ZOO["gpt"]()
-    store_all, low = _PEAKS.get("gpt") or _peaks("gpt")
+    store_all, low = _peaks_of("gpt")
     fast = solver.optimize(model, ((store_all + low) // 2) / GiB, inputs, measure_time=False)
     calls = []
     model.blocks[0].register_forward_hook(lambda *a: calls.append(1))
@@ -199,7 +214,7 @@ def test_eval_and_no_grad_run_the_original_forward():
 
 def test_report_reads_well():
     model, inputs = ZOO["gpt"]()
-    store_all, low = _PEAKS.get("gpt") or _peaks("gpt")
+    store_all, low = _peaks_of("gpt")
     fast = solver.optimize(model, ((store_all + low) // 2) / GiB, inputs, measure_time=False, verify=True)
     text = str(fast.report)
     for word in ("budget", "predicted peak", "store-all peak", "smallest feasible", "extra compute",
@@ -255,7 +270,7 @@ def test_a_planning_step_is_measured_and_leaves_the_model_as_found():
 
 def test_verify_with_the_original_predicts_the_step_ratio_from_its_measured_step():
     model, inputs = ZOO["mlp"]()
-    store_all, low = _PEAKS.get("mlp") or _peaks("mlp")
+    store_all, low = _peaks_of("mlp")
     budget = ((store_all + low) // 2) / GiB
     fast = solver.optimize(model, budget, inputs, measure_time=True)  # op times of this machine
     rep = fast.report
@@ -410,7 +425,7 @@ def test_where_no_plan_leaves_room_the_smallest_peaks_plan_is_taken_when_it_meas
 @pytest.mark.parametrize("mode", ["graph", "module"])
 def test_planning_checks_the_plan_with_a_measured_step_like_verify(mode):
     model, inputs = ZOO["gpt"]()
-    store_all, _ = _peaks("gpt")
+    store_all, _ = _peaks_of("gpt")
     fast = solver.optimize(model, 0.5 * store_all / GiB, inputs, mode=mode, measure_time=False)
     checked = fast.report.checked_peak_bytes
     assert checked is not None and checked <= fast.report.budget_bytes
