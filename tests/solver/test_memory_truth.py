@@ -69,8 +69,10 @@ def _train(fast, args, loss_fn, steps):
 @pytest.mark.parametrize("name,mode", [("gpt_cross_entropy", "graph"), ("gpt_cross_entropy", "module"),
                                        ("encoder_layers", "graph"), ("encoder_layers", "module"),
                                        ("unet_bn", "graph")])
-@pytest.mark.parametrize("frac", [0.7, 0.5])
-def test_with_loss_fn_the_first_real_step_fits_and_is_predicted(name, mode, frac):
+def test_with_loss_fn_the_first_real_step_fits_and_is_predicted(name, mode):
+    # at half the plain step's peak; the smallest feasible budgets are fitted below, and
+    # test_verify_judges_by_the_allocator predicts the UNet's step at 0.8 of it
+    frac = 0.5
     model, args, loss_fn = ZOO[name]()
     budget = frac * _plain_peak(model, args, loss_fn)
     try:
@@ -182,9 +184,8 @@ def test_the_smallest_feasible_budget_an_error_names_is_one_that_works(name, mod
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("name,mode,frac", [("hf_gpt2", "graph", 0.7), ("hf_gpt2", "graph", 0.5),
-                                            ("hf_gpt2", "graph", 0.3), ("hf_gpt2", "module", 0.7),
-                                            ("hf_llama", "graph", 0.7), ("hf_llama", "graph", 0.5),
+@pytest.mark.parametrize("name,mode,frac", [("hf_gpt2", "graph", 0.5), ("hf_gpt2", "graph", 0.3),
+                                            ("hf_gpt2", "module", 0.7), ("hf_llama", "graph", 0.5),
                                             ("hf_llama", "graph", 0.3), ("hf_llama", "module", 0.7)])
 def test_hf_models_with_labels_fit_from_the_first_step(name, mode, frac):
     model, batch = models.ZOO[name](n_layer=2, d=64, seq=64, batch=4)
@@ -257,10 +258,10 @@ def test_module_mode_prices_a_model_of_alike_layers_as_a_capture_of_every_layer(
     assert ma.actions == mb.actions and ma.schedule.peak_bytes == mb.schedule.peak_bytes
 
 
-@pytest.mark.parametrize("frac", [0.7, 0.5])
-def test_module_mode_on_alike_layers_fits_from_the_first_step(frac):
+def test_module_mode_on_alike_layers_fits_from_the_first_step():
     """Planned on a capture of four of six layers, measured on those four: the real step
     of all six fits and is predicted, and planning's own runs stay within the budget."""
+    frac = 0.5
     model, batch = models.hf_llama(n_layer=6, d=64, n_head=4, seq=64, batch=4, vocab=256)
     reference = copy.deepcopy(model)
     for p in model.parameters():
