@@ -508,6 +508,10 @@ INTEGRAL_SETS = (1, 2, 4)
 #: the budget first (one per multi-output op): a step that fits store-all may not fit
 #: beside the values computed again for a later one.
 EVERY = 64
+#: Single-boundary LPs after which the 0/1 program at the best of them runs, before the
+#: other LPs (it is the one that most often closes the gap; a short time limit may not
+#: reach the rest).
+EARLY_LPS = 4
 #: Without a time limit, seconds at most for those programs in all.
 INTEGRAL_SECONDS = 2.0
 
@@ -541,7 +545,8 @@ def _candidates(graph: ComputeGraph, budget_bytes: int, ops: list, excess: list)
 def _best_of(bound_at, marks: list, base: float, best: float, deadline, time_limit, enough: float | None, *,
              arrange=sorted, together: bool = False, every: list = ()) -> float:
     """Raise ``best`` with ``bound_at(boundaries, integral, seconds)`` at each of
-    ``marks`` alone (the LP), with ``together`` at ``arrange(marks)`` too, then the 0/1
+    ``marks`` alone (the LP; after the first :data:`EARLY_LPS`, the 0/1 program at the
+    best so far), with ``together`` at ``arrange(marks)`` too, then the 0/1
     program at ``arrange`` of the best :data:`INTEGRAL_SETS` of them and at ``arrange(every)``,
     while time is left, ``best`` is below ``enough`` and the last program was solved
     within its share of the time. ``arrange`` puts boundaries in
@@ -549,13 +554,19 @@ def _best_of(bound_at, marks: list, base: float, best: float, deadline, time_lim
     done = lambda: math.isinf(best) or (enough is not None and best >= enough)  # noqa: E731
     seconds = lambda: None if time_limit is None else max(0.0, deadline.left())  # noqa: E731
     scored = []
-    for t in marks:
+    early = None  # the 0/1 program at the best of the first few LPs, before the others
+    for j, t in enumerate(marks):
         if done() or deadline.expired():
             return best
         lb = bound_at([t], False, seconds())
         if lb is not None:
             scored.append((-lb, t))
             best = max(best, lb)
+        if j + 1 == min(EARLY_LPS, len(marks)) and scored and best > base and not done():
+            early = [min(scored)[1]]
+            share = INTEGRAL_SECONDS if time_limit is None else deadline.left() / 3
+            lb = bound_at(early, True, share)
+            best = best if lb is None else max(best, lb)
     if together and len(arrange(marks)) > 1 and not done() and not deadline.expired():
         lb = bound_at(arrange(marks), False, seconds())
         best = best if lb is None else max(best, lb)
@@ -564,13 +575,14 @@ def _best_of(bound_at, marks: list, base: float, best: float, deadline, time_lim
     scored.sort()
     total = deadline.left() if time_limit is not None else INTEGRAL_SECONDS
     until = _time.perf_counter() + total
-    trials = []
+    trials = [early] if early is not None else []  # (done)
     for k in INTEGRAL_SETS:
         picked = arrange([t for _, t in scored[:k]])
         if k <= len(scored) and picked not in trials:
             trials.append(picked)
     if every and arrange(every) not in trials:
         trials.append(arrange(every))
+    trials = trials[1:] if early is not None else trials
     for j, picked in enumerate(trials):
         left = until - _time.perf_counter()
         if done() or left <= 0.05:
