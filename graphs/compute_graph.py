@@ -152,7 +152,7 @@ class ComputeGraph:
         return node in self.nx
 
     def __getitem__(self, node: Hashable) -> dict[str, Any]:
-        return self.nx.nodes[node]
+        return self.nx._node[node]  # the node's attribute dict (what ``nx.nodes[node]`` gives, without the view)
 
     def __repr__(self) -> str:
         return f"ComputeGraph(name={self.name!r}, nodes={len(self)}, ops={len(self.ops)})"
@@ -202,14 +202,18 @@ class ComputeGraph:
         return [n for n, k in self.nx.nodes(data="kind") if k in SOURCE_KINDS]
 
     def is_op(self, node: Hashable) -> bool:
-        return self.nx.nodes[node]["kind"] == "op"
+        return self.nx._node[node]["kind"] == "op"
 
+    # the solvers call these hundreds of thousands of times on a captured step: they read
+    # networkx's adjacency dicts directly rather than through its views
     def op_preds(self, node: Hashable) -> list[Hashable]:
         """The op nodes that ``node`` reads (sources are always resident)."""
-        return [u for u in self.nx.predecessors(node) if self.is_op(u)]
+        data = self.nx._node
+        return [u for u in self.nx._pred[node] if data[u]["kind"] == "op"]
 
     def op_succs(self, node: Hashable) -> list[Hashable]:
-        return [v for v in self.nx.successors(node) if self.is_op(v)]
+        data = self.nx._node
+        return [v for v in self.nx._succ[node] if data[v]["kind"] == "op"]
 
     @property
     def fixed_bytes(self) -> int:

@@ -79,6 +79,10 @@ def test_node_attributes_and_fx_ids():
     grads = [n for n in outputs if cg[n]["phase"] == "backward" and cg[n]["bytes"] > 0]
     assert len(grads) >= sum(1 for _ in model.parameters()) - 1
     assert any("blocks.0" in str(cg[n]["name"]) for n in cg.ops)
+    for n in cg.nx.nodes:  # the op neighbours, in networkx's order, sources left out
+        assert cg.op_preds(n) == [u for u in cg.nx.predecessors(n) if cg.nx.nodes[u]["kind"] == "op"]
+        assert cg.op_succs(n) == [w for w in cg.nx.successors(n) if cg.nx.nodes[w]["kind"] == "op"]
+        assert cg[n] is cg.nx.nodes[n] and cg.is_op(n) == (n in cg.ops_set)
 
 
 def test_batchnorm_running_stats_are_outputs():
