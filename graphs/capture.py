@@ -46,8 +46,8 @@ from graphs.compute_graph import BACKWARD_START, ComputeGraph
 from graphs.errors import CaptureError
 from graphs.hardware import Hardware, get_hardware
 from graphs.torch_internals import (FakeTensorMode, aot_export_joint, drop_python_kernels, fake_mode_of, is_fake,
-                                     is_op_overload, op_schema, override_python_kernels, tree_flatten,
-                                     tree_leaves, tree_unflatten)
+                                     is_op_overload, lazy_graph_modules, op_schema, override_python_kernels,
+                                     tree_flatten, tree_leaves, tree_unflatten)
 
 __all__ = ["capture", "CaptureInfo", "default_loss", "is_random_op"]
 
@@ -177,6 +177,7 @@ def _export_joint(stack: contextlib.ExitStack, step: torch.nn.Module, flat_input
                   amp: tuple = ()) -> Any:
     """AOTAutograd's joint forward+backward export of ``step``, inside ``stack``."""
     stack.enter_context(fx_traceback.preserve_node_meta())
+    stack.enter_context(lazy_graph_modules())  # the joint's code is generated only if it is run or read
     stack.enter_context(autocast_as(amp))  # the joint graph then holds autocast's casts
     if fake_mode is not None:
         stack.enter_context(fake_mode)
@@ -475,7 +476,8 @@ def capture(
 
     # 1. forward at ATen level, with source lines
     try:
-        with fake_mode if fake_mode is not None else contextlib.nullcontext():
+        # (the graph modules made on the way generate their code only if run or read)
+        with lazy_graph_modules(), fake_mode if fake_mode is not None else contextlib.nullcontext():
             ep = torch.export.export(work_model, eargs, ekwargs, strict=False)
     except CaptureError:
         raise

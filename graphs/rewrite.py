@@ -39,7 +39,7 @@ import torch.fx as fx
 from graphs.capture import is_random_op
 from graphs.errors import RematError
 from graphs.fixed import charge
-from graphs.torch_internals import boxed_codegen, fake_value, is_op_overload, op_schema
+from graphs.torch_internals import boxed_codegen, fake_value, is_op_overload, lazy_graph_module, op_schema
 
 __all__ = ["RewriteError", "partition_by_schedule", "schedule_graphs", "boxed", "rng_state_bytes", "replay_random_ops", "RandomReplay",
            "random_replay"]
@@ -236,7 +236,8 @@ def partition_by_schedule(
         A step reads a value that no earlier step made.
     """
     fg, bg, saved = schedule_graphs(joint, sequence, num_fwd_outputs=num_fwd_outputs)
-    return fx.GraphModule(joint, fg), fx.GraphModule(joint, bg), saved  # their code generated once
+    # their code is generated once, when first run
+    return lazy_graph_module(joint, fg), lazy_graph_module(joint, bg), saved
 
 
 def schedule_graphs(
@@ -397,8 +398,7 @@ def schedule_graphs(
         for n in g.nodes:
             if n.op == "placeholder":
                 n.target = n.name
-    fg.eliminate_dead_code()
-    bg.eliminate_dead_code()
+    fg.eliminate_dead_code()  # (the backward's dead code is gone: erasing unread placeholders leaves none)
     return fg, bg, saved
 
 

@@ -223,18 +223,42 @@ def aot_compile_joint(joint: Any, *, partition_fn: Callable, fw_compiler: Callab
     The export itself is left as it was: compiling writes into the export's forward
     metadata (the traced tangents become runtime metadata, the random-state count is
     set), so each compile works on its own copy of it, and one export compiles any
-    number of cuts, after its stack has closed too."""
+    number of cuts, after its stack has closed too. Compiling logs nothing: AOTAutograd
+    otherwise prints the joint, forward and backward graphs to strings for its logs
+    whether or not a log reads them (seconds on a graph of thousands of ops)."""
     import copy
 
     from torch._functorch.aot_autograd import aot_compile_joint_with_descriptors
 
     state = copy.copy(joint._aot_state)
+    state.aot_config = dataclasses.replace(state.aot_config, enable_log=False)
     meta = state.fw_metadata = copy.copy(state.fw_metadata)
     meta.traced_tangents = list(meta.traced_tangents)
     meta.output_info = list(meta.output_info)
     return aot_compile_joint_with_descriptors(dataclasses.replace(joint, _aot_state=state),
                                               partition_fn=partition_fn,
                                               fw_compiler=fw_compiler, bw_compiler=bw_compiler)
+
+
+@contextlib.contextmanager
+def lazy_graph_modules() -> Iterator[None]:
+    """Inside the block, the ``GraphModule`` objects that torch's tracers and export
+    passes make generate their Python code when first run or read (as
+    :func:`lazy_graph_module`), not on every construction and ``recompile()``."""
+    from torch.fx._lazy_graph_module import _use_lazy_graph_module
+
+    with _use_lazy_graph_module(True):
+        yield
+
+
+def lazy_graph_module(root: torch.nn.Module, graph: fx.Graph) -> fx.GraphModule:
+    """A ``GraphModule`` of ``graph`` whose Python code is generated when it is first
+    run or read, once, rather than on every construction, copy and ``recompile()``
+    (AOTAutograd copies the backward graph, and the compilers switch both graphs to the
+    boxed calling convention: three code generations of a graph of thousands of ops)."""
+    from torch.fx._lazy_graph_module import _LazyGraphModule
+
+    return _LazyGraphModule(root, graph)
 
 
 def boxed_codegen() -> Any:
