@@ -3,15 +3,16 @@
 A schedule from a constructive heuristic (eviction, staged recomputation) fixes its
 recomputations one at a time and never takes one back. :func:`improve_sequence` takes
 some back and plans again: each round *ruins* the current sequence -- removes every
-repeat of one value, or every repeat in a window of stages -- so that the values stay
-resident and some stages go over the budget, then *repairs* it with the relief rule of
+repeat of one value, a random share of the repeats, or every repeat in a window of
+stages -- so that the values stay resident and some stages go over the budget, then *repairs* it with the relief rule of
 staged recomputation (:func:`solver.methods.staged.relieve`: recompute, at its next
 read, the value held across the fullest stage that frees the most bytes per second of
 compute), with the removed value kept out of the choice and the candidates' ratios
 perturbed, and drops the repeats the budget does not need
 (:func:`~solver.methods.drop.drop_recomputations`). The simulator grades every
 repaired sequence; one that costs no more replaces the current one (ties let the
-search move), and the cheapest seen is returned. Shaw, "Using Constraint Programming
+search move), and the cheapest seen is returned; the order of first runs stays the
+start's, so a fixed-order bound still holds for the result. Shaw, "Using Constraint Programming
 and Local Search Methods to Solve Vehicle Routing Problems" (CP 1998) and Ropke and
 Pisinger (2006) describe the scheme.
 
