@@ -126,6 +126,7 @@ def training_mode(model: nn.Module) -> Iterator[bool]:
 
 def _plan_step(model: nn.Module, args: tuple, kwargs: dict, *, request: Request, session: Session,
                held_back: int, hooked: list[str]) -> Any:
+    t0 = time.perf_counter()
     cap = measure_within(capture_step(model, args, kwargs, request=request), request=request, held_back=held_back)
     session.saw(cap.planning_peak)
     if request.mode == "graph":
@@ -143,8 +144,11 @@ def _plan_step(model: nn.Module, args: tuple, kwargs: dict, *, request: Request,
         step = fit_measured(model, make=make, run=lambda s: lambda: s(model, args, kwargs), args=args,
                             kwargs=kwargs, budget=cap.budget, session=session, loss_fn=request.loss_fn,
                             held_back=held_back, reserve=reserve)
-    loss_note(session.report, cap.graph, loss_fn=request.loss_fn)
-    planning_note(session.report, cap, session)
+    report = session.report
+    report.check_seconds = max(0.0, time.perf_counter() - t0 - report.capture_seconds - report.measure_seconds
+                               - report.solve_seconds)
+    loss_note(report, cap.graph, loss_fn=request.loss_fn)
+    planning_note(report, cap, session)
     session.publish()
     log.info("%s", session.report)
     return step
@@ -306,16 +310,21 @@ def gradient_reference(model: nn.Module, cap: Captured) -> tuple[Callable | None
     predicted over the budget, the captured step run in the schedule that measured it
     (its lowest-peak run) is the reference, and the loss is checked against the
     model's own forward without autograd."""
-    from solver.module_plan import checkpoint_view, plan_schedule
+    from solver.module_plan import BlockIndex, checkpoint_view, plan_schedule
 
+    if cap.measured_with is None:  # no measured schedule to check against: the checkpointed model
+        return None, None
     cg = cap.graph
     blocks = layer_blocks(model)
     try:
-        need = plan_schedule(checkpoint_view(cg, blocks), {b: "full" for b in blocks})[0].peak_bytes if blocks \
-            else cap.store_all
+        if blocks:
+            view = checkpoint_view(cg, blocks)  # an index finds every block's nodes in one pass
+            need = plan_schedule(view, {b: "full" for b in blocks}, index=BlockIndex(view, blocks))[0].peak_bytes
+        else:
+            need = cap.store_all
     except RematError:
         need = cap.store_all
-    if need <= cap.budget or cap.measured_with is None:
+    if need <= cap.budget:
         return None, None
     step = ScheduledStep(cg, list(cap.measured_with))
     return step, (f"the gradient check compared the plan with the captured step run at its measured schedule's "

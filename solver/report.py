@@ -36,11 +36,12 @@ class Report:
     ``step_peak_bytes`` is the allocator's peak of the first real training step of the
     plan, from its forward to the end of its backward, the user's loss included
     (:mod:`solver.watch`). ``capture_seconds`` is the tracing of the step,
-    ``measure_seconds`` the runs that measure its op times and workspaces, and
-    ``solve_seconds`` the schedule's search. ``planning_peak_bytes`` is the allocator's
-    peak of planning's own runs on the example batch: the runs that measure op times and
-    workspaces (schedules that fit the budget), the gradient check and the measured step
-    of the plan.
+    ``measure_seconds`` the runs that measure its op times and workspaces,
+    ``solve_seconds`` the schedule's search, and ``check_seconds`` the rest of planning:
+    the rewrite built, its gradients checked and its steps measured (and any plan made
+    again). ``planning_peak_bytes`` is the allocator's peak of planning's own runs on
+    the example batch: the runs that measure op times and workspaces (schedules that fit
+    the budget), the gradient check and the measured step of the plan.
     """
 
     mode: str
@@ -62,6 +63,7 @@ class Report:
     step_peak_bytes: int | None = None
     planning_peak_bytes: int | None = None
     measure_seconds: float = 0.0
+    check_seconds: float | None = None
     measured_step_seconds: float | None = None
     original_step_seconds: float | None = None
     original_peak_bytes: int | None = None
@@ -127,6 +129,7 @@ class Report:
             f"  planning            capture {self.capture_seconds:.2f} s, "
             + (f"measure {self.measure_seconds:.2f} s, " if self.measure_seconds else "")
             + f"solve {self.solve_seconds:.2f} s"
+            + ("" if self.check_seconds is None else f", check {self.check_seconds:.2f} s")
             + ("" if self.planning_peak_bytes is None else f", peak {b(self.planning_peak_bytes)} ("
                f"{'OVER' if self.planning_peak_bytes > self.budget_bytes else 'within'} the budget)"),
         ]
