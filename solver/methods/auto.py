@@ -6,21 +6,25 @@ The recipe, cheapest first:
 2. ``eviction`` on the reference order (fast, near-optimal on training graphs);
 3. ``chain_dp`` on training graphs (optimal for chains of stages), ``lp_eviction``
    (eviction guided by the stage LP's plan, with its unneeded recomputations removed),
-   then ``block_dp`` (each distinct layer block solved exactly, the blocks composed by
+   ``cover`` (which forward values the backward keeps, as a covering MILP over the
+   steps over the budget), then ``block_dp`` (each distinct layer block solved exactly, the blocks composed by
    a DP over the chain) where one block repeats :data:`BLOCK_DP_MIN_REPEATS` times;
    then staged recomputation (:func:`~solver.methods.staged.staged_sequence`) on the
    reference order, on graphs up to :data:`STAGED_MAX_OPS` ops: it plans the whole
    memory curve (ResNet50 at 0.8x: +0.279 % where eviction gives +0.306 %);
 4. when nothing fits yet, staged recomputation on the low-memory orders (it fits
-   budgets where on-demand eviction thrashes); then ``order_search`` (free order) where order freedom matters: forward-only graphs, or
-   training graphs whose greedy low-memory order lowers the reference peak; then the
+   budgets where on-demand eviction thrashes); then ``order_search`` (free order) where
+   order freedom matters: forward-only graphs, or training graphs whose greedy low-memory order lowers the reference peak; then the
    low-memory recipe of :func:`~solver.methods.minpeak.min_peak_sequence`, which
    reaches every budget that :class:`~solver.InfeasibleBudget` reports;
 5. an exact method (``cpsat``, ``checkmate_milp``) on small graphs when a time limit
    leaves time, warm-started from the best schedule so far; the next one runs only
    while the proven gap is above ``gap_tolerance``;
 6. on the winner, :func:`drop_recomputations`: the heuristics plan with a conservative
-   memory model, and the recomputations the simulator shows the budget does not need go.
+   memory model, and the recomputations the simulator shows the budget does not need go;
+   then :func:`solver.methods.lns.improve_sequence`, a large neighbourhood search over
+   the winner's recomputations that keeps its order of first runs (:data:`LNS_SHARE` of
+   the time left);
 7. the gap: first the bound valid in any order, :func:`solver.bounds.free_order_bound`
    (the stage LP at ops placed by the DAG alone); then, when the winner keeps the
    reference order, the fixed-order lower bound of
@@ -49,7 +53,7 @@ from solver.simulate import simulate
 __all__ = ["solve_auto", "drop_recomputations", "EXACT_MAX_OPS", "CHAIN_DP_MAX_OPS", "ORDER_GAIN", "BOUND_MAX_OPS",
            "BOUND_LIMITED_MAX_OPS", "SMALL_OPS", "GAP_TOLERANCE", "LP_BOUND_SECONDS",
            "LP_EVICTION_SECONDS", "EARLY_BOUND_SHARE", "MILP_BOUND_SHARE", "EARLY_MILP_SECONDS", "BLOCK_DP_SECONDS",
-           "BLOCK_DP_MIN_REPEATS", "DROP_SECONDS", "STAGED_SHARE", "STAGED_SECONDS", "STAGED_MAX_OPS"]
+           "BLOCK_DP_MIN_REPEATS", "DROP_SECONDS", "STAGED_SHARE", "STAGED_SECONDS", "STAGED_MAX_OPS", "COVER_SECONDS", "LNS_SHARE", "LNS_SECONDS"]
 
 log = logging.getLogger(__name__)
 
@@ -95,6 +99,13 @@ STAGED_SHARE = 0.4
 #: Without a time limit, seconds at most for staged recomputation (a budget that nothing
 #: reaches is then reported within seconds).
 STAGED_SECONDS = 3.0
+#: Without a time limit, seconds at most for ``cover``.
+COVER_SECONDS = 1.0
+#: Share of the time left that the search over the winner's recomputations
+#: (:func:`solver.methods.lns.improve_sequence`) may take, before the bounds.
+LNS_SHARE = 0.4
+#: Without a time limit, seconds at most for that search.
+LNS_SECONDS = 1.0
 #: Staged recomputation plans on a stage-by-value table: graphs up to this many ops.
 STAGED_MAX_OPS = 3000
 
@@ -267,6 +278,11 @@ def solve_auto(graph: ComputeGraph, budget: int, *, time_limit: float | None = N
         if training and extra():
             run("lp_eviction", "eviction guided by the stage LP's relaxed plan",
                 time_limit=max(0.3, min(LP_EVICTION_SECONDS, 0.5 * left()) if unlimited else 0.6 * left()))
+        # 3b'. which forward values the backward keeps, as a covering MILP over the steps
+        #      over the budget (GPT-style LMs at 0.5x-0.7x: cheaper than lp_eviction)
+        if training and extra() and left() > MIN_SLICE and n <= STAGED_MAX_OPS:
+            run("cover", "the backward keeps what a covering MILP over the steps over the budget keeps",
+                time_limit=max(0.3, min(COVER_SECONDS, 0.3 * left())))
         # 3c. exact layer blocks composed over the chain of blocks
         if training and extra():
             run("block_dp", "each distinct layer block solved exactly, composed by a DP over the chain",
@@ -348,6 +364,20 @@ def solve_auto(graph: ComputeGraph, budget: int, *, time_limit: float | None = N
             sched.info = {**sched.info, "dropped_recomputations": len(sched.sequence) - len(cheaper),
                           "cost_before_dropping": key[0]}
             sched.sequence, key = cheaper, (cost, len(cheaper))
+            if sched.lower_bound is not None:
+                sched.lower_bound = min(sched.lower_bound, cost)
+    if extra() and not sched.offloads and left() > MIN_SLICE and n <= STAGED_MAX_OPS:
+        # 6b. large neighbourhood search over the winner's recomputations, its order of
+        #     first runs kept (so the winner's bound scope stays)
+        from solver.methods.lns import improve_sequence
+
+        share = min(LNS_SECONDS, LNS_SHARE * left()) if unlimited else LNS_SHARE * left()
+        better = improve_sequence(graph, sched.sequence, budget, deadline=_time.perf_counter() + share, ix=ix)
+        cost = simulate(graph, better).cost
+        tried["lns"] = cost
+        if cost < key[0]:
+            sched.info = {**sched.info, "cost_before_lns": key[0]}
+            sched.sequence, key = list(better), (cost, len(better))
             if sched.lower_bound is not None:
                 sched.lower_bound = min(sched.lower_bound, cost)
     picked = sched.method or next(k for k, v in tried.items() if v == key[0])

@@ -85,7 +85,7 @@ def lp_eviction(graph: ComputeGraph, budget_bytes: int, *, time_limit: float | N
     if bound is not None and math.isinf(bound):
         raise NoScheduleFound(f"no schedule of {graph.name or 'the graph'} that keeps the reference order fits "
                               f"{budget_bytes} B (the stage LP is infeasible); try method='order_search'")
-    from solver.methods.auto import drop_recomputations
+    from solver.methods.drop import drop_recomputations
     from solver.methods.eviction import evict_sequence
     from solver.simulate import simulate
 
