@@ -21,17 +21,17 @@ The recipe, cheapest first:
    leaves time, warm-started from the best schedule so far; the next one runs only
    while the proven gap is above ``gap_tolerance``;
 6. on the winner, :func:`drop_recomputations`: the heuristics plan with a conservative
-   memory model, and the recomputations the simulator shows the budget does not need go;
-   then :func:`solver.methods.lns.improve_sequence`, a large neighbourhood search over
-   the winner's recomputations that keeps its order of first runs (:data:`LNS_SHARE` of
-   the time left);
+   memory model, and the recomputations the simulator shows the budget does not need go.
 7. the gap: first the bound valid in any order, :func:`solver.bounds.free_order_bound`
    (the stage LP at ops placed by the DAG alone); then, when the winner keeps the
    reference order, the fixed-order lower bound of
    :func:`solver.bounds.fixed_order_bound` (forced recomputation, an LP at each of
    the steps most over the budget, then the 0/1 stage program at the best of them),
    then, on small graphs, the MILP's bound. Each stops once its bound closes the gap
-   to ``gap_tolerance``.
+   to ``gap_tolerance``. While the stage bounds leave the gap open,
+   :func:`solver.methods.lns.improve_sequence`, a large neighbourhood search over the
+   winner's recomputations that keeps its order of first runs, takes
+   :data:`LNS_SHARE` of the time left before the MILP's bound.
 
 Every candidate is graded by :func:`solver.simulate`; the cheapest valid one within the
 budget wins (fewest steps on ties). ``schedule.info["auto"]`` records what was tried,
@@ -102,7 +102,8 @@ STAGED_SECONDS = 3.0
 #: Without a time limit, seconds at most for ``cover``.
 COVER_SECONDS = 1.0
 #: Share of the time left that the search over the winner's recomputations
-#: (:func:`solver.methods.lns.improve_sequence`) may take, before the bounds.
+#: (:func:`solver.methods.lns.improve_sequence`) may take where the stage bounds leave
+#: the gap open.
 LNS_SHARE = 0.4
 #: Without a time limit, seconds at most for that search.
 LNS_SECONDS = 1.0
@@ -366,20 +367,6 @@ def solve_auto(graph: ComputeGraph, budget: int, *, time_limit: float | None = N
             sched.sequence, key = cheaper, (cost, len(cheaper))
             if sched.lower_bound is not None:
                 sched.lower_bound = min(sched.lower_bound, cost)
-    if extra() and not sched.offloads and left() > MIN_SLICE and n <= STAGED_MAX_OPS:
-        # 6b. large neighbourhood search over the winner's recomputations, its order of
-        #     first runs kept (so the winner's bound scope stays)
-        from solver.methods.lns import improve_sequence
-
-        share = min(LNS_SECONDS, LNS_SHARE * left()) if unlimited else LNS_SHARE * left()
-        better = improve_sequence(graph, sched.sequence, budget, deadline=_time.perf_counter() + share, ix=ix)
-        cost = simulate(graph, better).cost
-        tried["lns"] = cost
-        if cost < key[0]:
-            sched.info = {**sched.info, "cost_before_lns": key[0]}
-            sched.sequence, key = list(better), (cost, len(better))
-            if sched.lower_bound is not None:
-                sched.lower_bound = min(sched.lower_bound, cost)
     picked = sched.method or next(k for k, v in tried.items() if v == key[0])
     sched.info = dict(sched.info)
     fixed_scope = not _reorders(ix, sched.sequence)  # a fixed-order bound holds for the winner
@@ -418,6 +405,23 @@ def solve_auto(graph: ComputeGraph, budget: int, *, time_limit: float | None = N
             close = key[0] - bound <= tolerance * (key[0] - base) + 1e-9
         elif lb > base:
             sched.info["fixed_order_lower_bound"] = lb
+    if not close and key[0] > base * (1 + 1e-12) and not sched.offloads and left() > MIN_SLICE \
+            and n <= STAGED_MAX_OPS:
+        # 6b. the stage bounds leave the gap open: a large neighbourhood search over the
+        #     winner's recomputations, its order of first runs kept (so the bound's
+        #     scope stays the winner's)
+        from solver.methods.lns import improve_sequence
+
+        share = min(LNS_SECONDS, LNS_SHARE * left()) if unlimited else LNS_SHARE * left()
+        better = improve_sequence(graph, sched.sequence, budget, deadline=_time.perf_counter() + share, ix=ix)
+        cost = simulate(graph, better).cost
+        tried["lns"] = cost
+        if cost < key[0]:
+            sched.info = {**sched.info, "cost_before_lns": key[0]}
+            sched.sequence, key = list(better), (cost, len(better))
+            if bound is not None:
+                bound = min(bound, cost)
+            close = bound is not None and key[0] - bound <= tolerance * (key[0] - base) + 1e-9
     if use_bound and not close and "fixed_order_lower_bound" not in sched.info:
         # a small share of the time when no limit was given (solver.optimize calls auto)
         b_time = min(2.0, max(0.2, 0.25 * elapsed)) if unlimited else left()
