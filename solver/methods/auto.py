@@ -31,7 +31,8 @@ The recipe, cheapest first:
    to ``gap_tolerance``. While the stage bounds leave the gap open,
    :func:`solver.methods.lns.improve_sequence`, a large neighbourhood search over the
    winner's recomputations that keeps its order of first runs, takes
-   :data:`LNS_SHARE` of the time left before the MILP's bound.
+   :data:`LNS_SHARE` of the time left before the MILP's bound (on small graphs, before
+   the exact methods of step 5, as candidate ``lns``).
 
 Every candidate is graded by :func:`solver.simulate`; the cheapest valid one within the
 budget wins (fewest steps on ties). ``schedule.info["auto"]`` records what was tried,
@@ -170,6 +171,7 @@ def solve_auto(graph: ComputeGraph, budget: int, *, time_limit: float | None = N
     """
     from solver.indexed import IndexedGraph, order_peak
     from solver.methods.eviction import min_memory_order
+    from solver.methods.lns import improve_sequence
     from solver.methods.minpeak import min_peak_sequence
 
     t0 = _time.perf_counter()
@@ -338,6 +340,13 @@ def solve_auto(graph: ComputeGraph, budget: int, *, time_limit: float | None = N
                 # do in the same time where they find nothing better (captured U-Net);
                 # with less time, they get it (SegNet at 4 s: cpsat's +0.103 %)
                 stage_bound("milp", MILP_BOUND_SHARE * left())
+            if not close_enough() and not best[0].offloads and left() > MIN_SLICE:
+                # the search over the best schedule's recomputations before the exact
+                # methods, which find nothing better on captured CNNs in seconds
+                better = improve_sequence(graph, best[0].sequence, budget,
+                                          deadline=_time.perf_counter() + LNS_SHARE * left(), ix=ix)
+                consider("lns", Schedule(sequence=list(better), method="lns"),
+                         "large neighbourhood search over the best schedule's recomputations")
         if n <= EXACT_MAX_OPS and (rescue or (use_exact and left() > 1.0 and extra() and not close_enough())):
             hint = best[0] if best[0] is not None and not reorders.get(best[0].method, True) else None
             for k, name in enumerate(("cpsat", "checkmate_milp")):
@@ -410,8 +419,6 @@ def solve_auto(graph: ComputeGraph, budget: int, *, time_limit: float | None = N
         # 6b. the stage bounds leave the gap open: a large neighbourhood search over the
         #     winner's recomputations, its order of first runs kept (so the bound's
         #     scope stays the winner's)
-        from solver.methods.lns import improve_sequence
-
         share = min(LNS_SECONDS, LNS_SHARE * left()) if unlimited else LNS_SHARE * left()
         better = improve_sequence(graph, sched.sequence, budget, deadline=_time.perf_counter() + share, ix=ix)
         cost = simulate(graph, better).cost
