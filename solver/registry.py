@@ -28,7 +28,9 @@ class MethodInfo:
     name : str
     fn : callable
     family : str
-        ``baseline``, ``heuristic``, ``chain``, ``exact``, ``large`` or ``offload``.
+        ``baseline``, ``heuristic``, ``chain``, ``exact``, ``large``, ``offload`` or
+        ``search`` (improves a schedule until its time limit runs out: portfolios that
+        give a method the time left, as offload's, leave it out).
     exact : bool
         Returns a proven optimum (for its order freedom) when it finishes in time.
     order : str

@@ -252,7 +252,7 @@ def lp_starts(graph: ComputeGraph, budget_bytes: int, *, deadline: float, rounds
         marks = sorted(marks + [worst_over[1]])
 
 
-@register("lns", family="heuristic", order="fixed")
+@register("lns", family="search", order="fixed")
 def lns(graph: ComputeGraph, budget_bytes: int, *, time_limit: float | None = None, seed: int = 0,
         **_) -> Schedule:
     """Large neighbourhood search from the cheapest of ``cover``, ``lp_eviction``,
