@@ -125,7 +125,8 @@ ZOO = {
     "U-Net w16 64px b8 depth 3": ("unet", dict(batch=8, width=16, size=64, depth=3)),
 }
 ZOO_FRACTIONS = (0.7, 0.5, 0.3)
-ZOO_METHODS = ("auto", "eviction", "lp_eviction", "cover", "lns", "hierarchical", "chain_dp", "block_dp", "checkmate_milp", "cpsat")
+ZOO_METHODS = ("auto", "eviction", "lp_eviction", "cover", "lns", "stage_milp", "hierarchical", "chain_dp", "block_dp",
+               "checkmate_milp", "cpsat")
 
 
 def zoo_graphs(only: str | None = None):

@@ -203,7 +203,8 @@ def _pick_boundaries(excess: list[float], allowed: list[bool], stages: int) -> l
 
 def stage_lp_bound(graph: ComputeGraph, budget_bytes: int, *, stages: int = STAGES,
                    boundaries: list | None = None, time_limit: float | None = None,
-                   kept: dict | None = None, integral: bool = False) -> float | None:
+                   kept: dict | None = None, integral: bool = False,
+                   solution: dict | None = None) -> float | None:
     """A lower bound on the cost of any schedule whose first computations follow the
     reference order: the linear relaxation of the schedule at a few steps (stages).
 
@@ -246,6 +247,12 @@ def stage_lp_bound(graph: ComputeGraph, budget_bytes: int, *, stages: int = STAG
     integral : bool
         Solve the 0/1 program (SCIP) rather than its LP relaxation: as tight or tighter,
         slower; past ``time_limit`` the solver's proven bound is the answer.
+    solution : dict, optional
+        Filled, when the solver found a solution, with ``"boundaries"`` (the boundary
+        ops in order), ``"redo"`` (node id -> the intervals in which the solution
+        computes it again, interval ``k`` following boundary ``k``) and ``"value"``
+        (the solution's extra compute); with ``integral``, a schedule to build
+        (:mod:`solver.methods.stage_milp`).
 
     Returns
     -------
@@ -315,7 +322,7 @@ def stage_lp_bound(graph: ComputeGraph, budget_bytes: int, *, stages: int = STAG
 
     rule = _Rule(candidates=lambda k: range(marks[k]), before=lambda i, k: i < marks[k], required=required,
                  may_first=lambda i, k: i > marks[0] and interval(i) == k)
-    return _relaxation(graph, budget_bytes, ops, index, size, marks, rule, deadline, kept, integral)
+    return _relaxation(graph, budget_bytes, ops, index, size, marks, rule, deadline, kept, integral, solution)
 
 
 class _Rule:
@@ -346,7 +353,8 @@ def _boundary_indices(graph: ComputeGraph, boundaries, index: dict) -> list[int]
 
 
 def _relaxation(graph: ComputeGraph, budget_bytes: int, ops: list, index: dict, size: list, marks: list,
-                rule: _Rule, deadline, kept: dict | None, integral: bool = False) -> float | None:
+                rule: _Rule, deadline, kept: dict | None, integral: bool = False,
+                solution: dict | None = None) -> float | None:
     """The LP of :func:`stage_lp_bound` at the boundaries ``marks`` (op indices, in the
     order of their first computations), with what the order freedom allows from ``rule``."""
     from solver.deadline import OutOfTime
@@ -474,6 +482,13 @@ def _relaxation(graph: ComputeGraph, budget_bytes: int, ops: list, index: dict, 
         return None
     else:
         value = objective.Value() / per
+    if solution is not None and status in (lp.OPTIMAL, lp.FEASIBLE):
+        redone: dict = {}
+        for (i, k), q in sorted(redo.items(), key=lambda x: x[0][1]):
+            if q.solution_value() > 0.5:
+                redone.setdefault(ops[i], []).append(k)
+        solution.clear()
+        solution.update(boundaries=[ops[t] for t in marks], redo=redone, value=objective.Value() / per)
     if kept is not None and status in (lp.OPTIMAL, lp.FEASIBLE):
         kept.update({ops[i]: var.solution_value() for (i, k), var in keep.items() if k == 0})
     shortfall = sum(min(0.0, gt - sum(cost[i] for i in members)) for members, gt in groups.values())

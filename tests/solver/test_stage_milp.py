@@ -1,0 +1,104 @@
+"""The 0/1 stage program as a schedule: valid, within the budget, first runs in the
+reference order, its bound never above the fixed-order optimum, and never costlier
+than the brute force's optimum where it says it is optimal."""
+
+import math
+
+import pytest
+from hypothesis import HealthCheck, given, settings, strategies as st
+
+import solver
+from graphs import ComputeGraph
+from solver.errors import InfeasibleBudget, NoScheduleFound
+from solver.methods.bruteforce import brute_force_fixed
+from solver.methods.stage_milp import sequence_from_stages, stage_milp
+from solver.synthetic import budget_between, small_graph
+from tests.solver.test_auto import captured_model
+from tests.solver.test_staged import _first_runs
+
+
+def _check(g, budget, s):
+    r = solver.simulate(g, s)
+    assert r.valid, r.error
+    assert r.peak_bytes <= budget
+    assert _first_runs(s.sequence) == list(g.order)
+    assert g.total("time") <= s.lower_bound <= r.cost * (1 + 1e-9)
+    return r
+
+
+@settings(max_examples=80, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@given(kind=st.integers(0, 2), size=st.integers(2, 8), seed=st.integers(0, 10_000), frac=st.floats(0, 1),
+       grouped=st.booleans())
+def test_never_below_and_optimal_only_at_the_brute_force_optimum(kind, size, seed, frac, grouped):
+    g = small_graph(kind, size, seed)
+    if grouped and len(g.ops) >= 3:  # two ops made projections of one multi-output op
+        members = list(g.order)[1:3]
+        total = sum(g[v]["time"] for v in members)
+        for j, v in enumerate(members):
+            g[v].update(group="op", group_index=j, group_time=total)
+    budget = budget_between(g, frac)
+    try:
+        best = solver.simulate(g, brute_force_fixed(g, budget).sequence).cost
+    except (NoScheduleFound, InfeasibleBudget):
+        best = None
+    try:
+        s = stage_milp(g, budget, time_limit=5)
+    except NoScheduleFound as exc:
+        if "infeasible" in str(exc):
+            assert best is None, "the stage program called a budget infeasible that a schedule fits"
+        return
+    r = _check(g, budget, s)
+    # the brute force searches Checkmate's stages, which never compute again after the
+    # last op; the stage program's sequences may (an output freed and made again at
+    # the end), so it may fit where the brute force does not, and cost less
+    if best is not None:
+        assert s.lower_bound <= best * (1 + 1e-9)
+        if s.info["optimal"]:
+            assert r.cost <= best * (1 + 1e-9), (r.cost, best)
+
+
+def test_the_solution_becomes_the_reference_order_with_recomputations_in_place():
+    g = ComputeGraph()
+    for v, b in zip("abcd", [1, 4, 3, 3]):
+        g.add_node(v, bytes=b, time=2.0)
+    for e in ("ab", "bc", "cd", "ad"):
+        g.add_edge(*e)
+    # "a" computed again after boundary "c", just before its reader "d"
+    assert sequence_from_stages(g, ["c"], {"a": [0]}) == ["a", "b", "c", "a", "d"]
+    s = stage_milp(g, 7)
+    assert s.sequence == ["a", "b", "c", "a", "d"] and s.info["optimal"]
+    assert s.lower_bound == pytest.approx(10.0, rel=1e-5)
+
+
+def test_an_infeasible_stage_program_is_reported():
+    g = ComputeGraph()
+    for v, b in zip("abc", [4, 4, 4]):
+        g.add_node(v, bytes=b, time=1.0)
+    g.add_edge("a", "b"), g.add_edge("b", "c")
+    with pytest.raises(NoScheduleFound, match="infeasible"):
+        stage_milp(g, 7)  # b alone needs a and b: 8 bytes
+
+
+@pytest.mark.parametrize("name,kwargs", [("unet", {}), ("gpt", {"n_layer": 2, "d": 32, "seq": 16, "batch": 4})])
+def test_on_captured_graphs_the_bound_is_below_every_schedule(name, kwargs):
+    g = captured_model(name, **kwargs)
+    top = solver.simulate(g, g.order).peak_bytes
+    compared = 0
+    for frac in (0.9, 0.8, 0.7, 0.6):
+        budget = int(frac * top)
+        others = []
+        for method in ("eviction", "lns", "cover"):
+            try:
+                others.append(solver.simulate(g, solver.solve(g, budget, method=method, time_limit=2)).cost)
+            except (NoScheduleFound, InfeasibleBudget):
+                continue
+        try:
+            s = stage_milp(g, budget, time_limit=10)
+        except NoScheduleFound as exc:
+            if "infeasible" in str(exc):  # then no fixed-order method fits either
+                assert not others, (frac, others)
+            continue
+        r = _check(g, budget, s)
+        assert all(s.lower_bound <= c * (1 + 1e-9) for c in others), (frac, s.lower_bound, others)
+        compared += bool(others) and r.cost > g.total("time")
+    assert compared >= 2
