@@ -19,11 +19,15 @@ class NoScheduleFound(SolverError):
     ----------
     best_peak : int or None
         The smallest peak the method reached, if any.
+    lower_bound : float or None
+        A lower bound on the cost that the method proved meanwhile, if any, for the
+        schedules of its order freedom (``"fixed"``: those that keep the reference order).
     """
 
-    def __init__(self, message: str, *, best_peak: int | None = None) -> None:
+    def __init__(self, message: str, *, best_peak: int | None = None, lower_bound: float | None = None) -> None:
         super().__init__(message)
         self.best_peak = best_peak
+        self.lower_bound = lower_bound
 
 
 class InfeasibleBudget(RematError, ValueError):

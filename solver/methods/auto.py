@@ -228,6 +228,9 @@ def solve_auto(graph: ComputeGraph, budget: int, *, time_limit: float | None = N
             consider(name, info.fn(graph, budget, **kw), why)
         except (SolverError, InfeasibleBudget, ValueError, NotImplementedError, MemoryError) as exc:
             tried[name] = f"{type(exc).__name__}: {exc}"[:200]
+            lb = getattr(exc, "lower_bound", None)
+            if isinstance(exc, NoScheduleFound) and info.order == "fixed" and lb is not None and math.isfinite(lb):
+                proven[0] = max(float(lb), proven[0] or -math.inf)  # what it proved holds without a schedule
 
     def left() -> float:
         return deadline - _time.perf_counter()
@@ -435,7 +438,12 @@ def solve_auto(graph: ComputeGraph, budget: int, *, time_limit: float | None = N
         # 6b. the stage bounds leave the gap open: a large neighbourhood search over the
         #     winner's recomputations, its order of first runs kept (so the bound's
         #     scope stays the winner's)
-        share = min(LNS_SECONDS, LNS_SHARE * left()) if unlimited else LNS_SHARE * left()
+        # (with a time limit on graphs too large for the MILP's bound after it, the
+        # whole time left)
+        if unlimited:
+            share = min(LNS_SECONDS, LNS_SHARE * left())
+        else:
+            share = (LNS_SHARE if n <= BOUND_LIMITED_MAX_OPS else 0.95) * left()
         better = improve_sequence(graph, sched.sequence, budget, deadline=_time.perf_counter() + share, ix=ix)
         cost = simulate(graph, better).cost
         tried["lns"] = cost

@@ -178,7 +178,8 @@ def stage_milp(graph: ComputeGraph, budget_bytes: int, *, time_limit: float | No
     Raises
     ------
     NoScheduleFound
-        No round gave a sequence within the budget, even repaired.
+        No round gave a sequence within the budget, even repaired (its ``lower_bound``
+        is the programs' best bound, for every fixed-order schedule).
 
     Examples
     --------
@@ -261,7 +262,8 @@ def stage_milp(graph: ComputeGraph, budget_bytes: int, *, time_limit: float | No
         marks = sorted(set(marks) | set(sorted(new, key=lambda t: -new[t])[:max(1, more)]))
     if best is None:
         raise NoScheduleFound(f"stage_milp found no schedule of {graph.name or 'the graph'} within {budget_bytes} B "
-                              f"in {limit:g} s ({len(history)} rounds); give a longer time_limit")
+                              f"in {limit:g} s ({len(history)} rounds); give a longer time_limit",
+                              lower_bound=bound if bound > base else None)
     bound = min(bound, best_cost)
     return Schedule(sequence=list(best), method="stage_milp", lower_bound=bound,
                     info={"order": "fixed", "optimal": _closed(best_cost, bound, base), "rounds": history})

@@ -102,3 +102,28 @@ def test_on_captured_graphs_the_bound_is_below_every_schedule(name, kwargs):
         assert all(s.lower_bound <= c * (1 + 1e-9) for c in others), (frac, s.lower_bound, others)
         compared += bool(others) and r.cost > g.total("time")
     assert compared >= 2
+
+
+def test_auto_keeps_the_bound_of_a_stage_program_that_gave_no_schedule(monkeypatch):
+    import dataclasses
+
+    from solver import registry
+    from solver.synthetic import training_chain
+
+    # past auto's exact methods' size (their bounds would join), within stage_milp's
+    g = training_chain(70)
+    budget = budget_between(g, 0.3)
+    before = solver.solve(g, budget, method="auto", time_limit=5, bound=False, gap_tolerance=0.0)
+    assert before.gap > 0
+    proved = before.cost  # above what the others prove: the one auto must then report
+
+    def no_schedule(graph, budget_bytes, **_):
+        raise NoScheduleFound("none in the time", lower_bound=proved)
+
+    info = registry.registered()["stage_milp"]
+    monkeypatch.setitem(registry._REGISTRY, "stage_milp", dataclasses.replace(info, fn=no_schedule))
+    # no other bound (bound=False): what auto reports is what the failed program proved
+    s = solver.solve(g, budget, method="auto", time_limit=5, bound=False, gap_tolerance=0.0)
+    assert s.info["auto"]["tried"]["stage_milp"].startswith("NoScheduleFound")
+    assert s.info["bound_scope"] == "fixed order" and s.lower_bound == pytest.approx(min(proved, s.cost))
+    assert s.lower_bound > before.lower_bound
