@@ -58,7 +58,7 @@ __all__ = ["solve_auto", "drop_recomputations", "EXACT_MAX_OPS", "CHAIN_DP_MAX_O
            "BOUND_LIMITED_MAX_OPS", "SMALL_OPS", "GAP_TOLERANCE", "LP_BOUND_SECONDS",
            "LP_EVICTION_SECONDS", "EARLY_BOUND_SHARE", "MILP_BOUND_SHARE", "EARLY_MILP_SECONDS", "BLOCK_DP_SECONDS",
            "BLOCK_DP_MIN_REPEATS", "DROP_SECONDS", "STAGED_SHARE", "STAGED_SECONDS", "STAGED_MAX_OPS", "COVER_SECONDS", "LNS_SHARE", "LNS_SECONDS",
-           "STAGE_MILP_MAX_OPS", "STAGE_MILP_SHARE"]
+           "STAGE_MILP_MAX_OPS", "STAGE_MILP_SHARE", "LNS_STARTS"]
 
 log = logging.getLogger(__name__)
 
@@ -110,6 +110,9 @@ COVER_SECONDS = 1.0
 #: (:func:`solver.methods.lns.improve_sequence`) may take where the stage bounds leave
 #: the gap open.
 LNS_SHARE = 0.4
+#: Schedules that search takes turns on: the winner and the next cheapest candidates
+#: that keep the reference order.
+LNS_STARTS = 3
 #: Without a time limit, seconds at most for that search.
 LNS_SECONDS = 1.0
 #: Training graphs with at most this many ops get ``stage_milp`` when a time limit is
@@ -200,6 +203,7 @@ def solve_auto(graph: ComputeGraph, budget: int, *, time_limit: float | None = N
     reorders: dict[str, bool] = {}
     best: list = [None, None, None]  # schedule, key, why
     found_at = [None]  # seconds until the winning schedule was found
+    starts: list = []  # (cost, name, sequence) of every valid candidate in the reference order
     proven = [None]  # the best fixed-order bound an exact candidate proved, whoever wins
 
     def consider(name: str, sched: Schedule | None, why: str) -> None:
@@ -213,6 +217,8 @@ def solve_auto(graph: ComputeGraph, budget: int, *, time_limit: float | None = N
                         graph.name or "the graph")
             return
         tried[name] = r.cost
+        if not reorders[name] and not sched.offloads:
+            starts.append((r.cost, name, list(sched.sequence)))
         if sched.lower_bound is not None and sched.info.get("order") == "fixed" and math.isfinite(sched.lower_bound):
             proven[0] = max(float(sched.lower_bound), proven[0] or -math.inf)
         key = (r.cost, len(sched.sequence))
@@ -444,7 +450,9 @@ def solve_auto(graph: ComputeGraph, budget: int, *, time_limit: float | None = N
             share = min(LNS_SECONDS, LNS_SHARE * left())
         else:
             share = (LNS_SHARE if n <= BOUND_LIMITED_MAX_OPS else 0.95) * left()
-        better = improve_sequence(graph, sched.sequence, budget, deadline=_time.perf_counter() + share, ix=ix)
+        others = [seq for _, name, seq in sorted(starts, key=lambda x: x[0]) if name != picked][:LNS_STARTS - 1]
+        better = improve_sequence(graph, sched.sequence, budget, deadline=_time.perf_counter() + share, ix=ix,
+                                  more=others)
         cost = simulate(graph, better).cost
         tried["lns"] = cost
         if cost < key[0]:
