@@ -98,19 +98,36 @@ def sequence_from_stages(graph: ComputeGraph, boundaries: Sequence[Hashable],
     seq: list[Hashable] = []
     placed: set = set()
 
+    def run_of(i: int, k: int) -> list[int]:
+        """``i`` with the other projections of its op that interval ``k`` computes again."""
+        g = group_of[i]
+        if g is None:
+            return [i]
+        return sorted((j for j in by_interval[k] if group_of[j] == g),
+                      key=lambda j: (nodes[ops[j]].get("group_index", 0), j))
+
     def put(i: int, k: int) -> None:
+        """Append the run of ``i`` after the runs of its inputs of interval ``k`` (depth
+        first, without recursion: a chain may be thousands of ops long)."""
         if (i, k) in placed:
             return
         members = by_interval[k]
-        g = group_of[i]
-        run = [i] if g is None else sorted((j for j in members if group_of[j] == g),
-                                           key=lambda j: (nodes[ops[j]].get("group_index", 0), j))
+        run = run_of(i, k)
         placed.update((j, k) for j in run)
-        for j in run:
-            for p in preds.setdefault(j, [index[u] for u in graph.op_preds(ops[j])]):
-                if p in members:
-                    put(p, k)
-        seq.extend(ops[j] for j in run)
+        stack = [(run, iter([p for j in run for p in preds.setdefault(j, [index[u] for u in graph.op_preds(ops[j])])
+                             if p in members]))]
+        while stack:
+            run, todo = stack[-1]
+            p = next((p for p in todo if (p, k) not in placed), None)
+            if p is None:
+                stack.pop()
+                seq.extend(ops[j] for j in run)
+                continue
+            inner = run_of(p, k)
+            placed.update((j, k) for j in inner)
+            stack.append((inner, iter([q for j in inner
+                                       for q in preds.setdefault(j, [index[u] for u in graph.op_preds(ops[j])])
+                                       if q in members])))
 
     def flush(k: int) -> None:
         for i in sorted(by_interval.get(k, ())):
