@@ -127,3 +127,13 @@ def test_auto_keeps_the_bound_of_a_stage_program_that_gave_no_schedule(monkeypat
     assert s.info["auto"]["tried"]["stage_milp"].startswith("NoScheduleFound")
     assert s.info["bound_scope"] == "fixed order" and s.lower_bound == pytest.approx(min(proved, s.cost))
     assert s.lower_bound > before.lower_bound
+
+
+def test_a_long_chain_of_recomputations_is_put_in_order():
+    from solver.synthetic import chain
+
+    g = chain(3000)  # deeper than Python's recursion limit
+    ops = list(g.order)
+    seq = sequence_from_stages(g, [ops[-1]], {v: [0] for v in ops[:-1]})
+    assert seq == ops + ops[:-1]  # each after its input, all after the last boundary
+    assert solver.simulate(g, seq).valid
