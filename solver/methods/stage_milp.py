@@ -28,10 +28,9 @@ the heuristics and the search stop at +22.3 % with a gap of 14 %.
 
 from __future__ import annotations
 
-import logging
 import math
 import time as _time
-from typing import Hashable, Sequence
+from typing import Hashable, Iterator, Sequence
 
 from graphs import ComputeGraph
 from solver.errors import NoScheduleFound
@@ -42,8 +41,6 @@ from solver.schedule import Schedule
 from solver.simulate import simulate
 
 __all__ = ["stage_milp", "sequence_from_stages", "FIRST_BOUNDARIES", "MORE_BOUNDARIES", "ROUNDS", "SMALL_OPS"]
-
-log = logging.getLogger(__name__)
 
 #: Boundaries of the first round (the steps most over the budget), and at most added by
 #: each later one: on graphs up to :data:`SMALL_OPS` ops, and on larger ones (where
@@ -94,40 +91,38 @@ def sequence_from_stages(graph: ComputeGraph, boundaries: Sequence[Hashable],
         for k in ks:
             by_interval.setdefault(int(k), set()).add(index[v])
     group_of = {i: nodes[ops[i]].get("group") for members in by_interval.values() for i in members}
-    preds = {}
+    runs: dict = {}  # (interval, op group) -> the projections it computes again, in group order
+    for k, members in by_interval.items():
+        for i in members:
+            if group_of[i] is not None:
+                runs.setdefault((k, group_of[i]), []).append(i)
+    for run in runs.values():
+        run.sort(key=lambda j: (nodes[ops[j]].get("group_index", 0), j))
     seq: list[Hashable] = []
     placed: set = set()
 
-    def run_of(i: int, k: int) -> list[int]:
-        """``i`` with the other projections of its op that interval ``k`` computes again."""
-        g = group_of[i]
-        if g is None:
-            return [i]
-        return sorted((j for j in by_interval[k] if group_of[j] == g),
-                      key=lambda j: (nodes[ops[j]].get("group_index", 0), j))
+    def entry(i: int, k: int) -> tuple[list[int], Iterator[int]]:
+        """The run of ``i`` in interval ``k`` (marked placed), and its inputs computed
+        again in the same interval."""
+        run = [i] if group_of[i] is None else runs[(k, group_of[i])]
+        placed.update((j, k) for j in run)
+        members = by_interval[k]
+        return run, iter([index[u] for j in run for u in graph.op_preds(ops[j]) if index[u] in members])
 
     def put(i: int, k: int) -> None:
         """Append the run of ``i`` after the runs of its inputs of interval ``k`` (depth
         first, without recursion: a chain may be thousands of ops long)."""
         if (i, k) in placed:
             return
-        members = by_interval[k]
-        run = run_of(i, k)
-        placed.update((j, k) for j in run)
-        stack = [(run, iter([p for j in run for p in preds.setdefault(j, [index[u] for u in graph.op_preds(ops[j])])
-                             if p in members]))]
+        stack = [entry(i, k)]
         while stack:
             run, todo = stack[-1]
             p = next((p for p in todo if (p, k) not in placed), None)
             if p is None:
                 stack.pop()
                 seq.extend(ops[j] for j in run)
-                continue
-            inner = run_of(p, k)
-            placed.update((j, k) for j in inner)
-            stack.append((inner, iter([q for j in inner
-                                       for q in preds.setdefault(j, [index[u] for u in graph.op_preds(ops[j])])
-                                       if q in members])))
+            else:
+                stack.append(entry(p, k))
 
     def flush(k: int) -> None:
         for i in sorted(by_interval.get(k, ())):
