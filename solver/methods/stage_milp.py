@@ -185,7 +185,11 @@ def stage_milp(graph: ComputeGraph, budget_bytes: int, *, time_limit: float | No
     Schedule
         The cheapest sequence within the budget (first runs in the reference order);
         ``lower_bound`` is the best bound the programs proved, for every fixed-order
-        schedule; ``info["optimal"]`` is True when the schedule costs that bound.
+        schedule; ``info["optimal"]`` is True when the schedule costs that bound;
+        ``info["rounds"]`` says, per round, how many boundaries its program had, the
+        bound it proved (None: nothing in its time), the cost of its sequence where that
+        fitted the budget as it was, its peak, and the seconds of the program and the
+        simulation.
 
     Raises
     ------
@@ -224,6 +228,7 @@ def stage_milp(graph: ComputeGraph, budget_bytes: int, *, time_limit: float | No
         if deadline.expired():
             break
         solution: dict = {}
+        started = _time.perf_counter()
         lb = stage_lp_bound(graph, budget_bytes, boundaries=[ops[t] for t in marks], integral=True,
                             time_limit=max(0.05, deadline.left()), solution=solution)
         if lb is not None:
@@ -232,13 +237,14 @@ def stage_milp(graph: ComputeGraph, budget_bytes: int, *, time_limit: float | No
             raise NoScheduleFound(f"stage_milp: no fixed-order schedule of {graph.name or 'the graph'} fits "
                                   f"{budget_bytes} B (the stage program is infeasible)")
         if not solution:
-            history.append({"boundaries": len(marks), "bound": lb, "cost": None})
+            history.append({"boundaries": len(marks), "bound": lb, "cost": None, "peak": None,
+                            "seconds": _time.perf_counter() - started})
             break
         seq = sequence_from_stages(graph, solution["boundaries"], solution["redo"])
         r = simulate(graph, seq)
         fits = r.valid and r.peak_bytes <= budget_bytes
         history.append({"boundaries": len(marks), "bound": lb, "cost": r.cost if fits else None,
-                        "peak": r.peak_bytes})
+                        "peak": r.peak_bytes, "seconds": _time.perf_counter() - started})
         if fits and r.cost < best_cost:
             best, best_cost = seq, r.cost
         if not fits and r.valid:

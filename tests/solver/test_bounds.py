@@ -168,6 +168,43 @@ def test_the_integral_program_closes_what_the_relaxation_leaves_open():
     assert simulate(g, brute_force_fixed(g, 5).sequence).cost == pytest.approx(base + 11)
 
 
+def _lp_lower_with_more_boundaries():
+    """A random training graph where the stage LP at two boundaries is below the LP at
+    one of them (found by search: seed 549 of ``random_training_graph``)."""
+    g = random_training_graph(7, seed=549)
+    return g, 30
+
+
+def test_the_lp_may_fall_with_a_boundary_added_the_integral_program_may_not():
+    # the LP keeps f6 (an input of b6) at a fifth at both boundaries, and that fifth
+    # serves a fifth of a recomputation of b6 in each interval: two disjoint parts of a
+    # plan lean on one fraction of a value. The 0/1 program cannot, and stays put
+    g, budget = _lp_lower_with_more_boundaries()
+    one, two = ["b5"], ["b5", "b1"]
+    assert stage_lp_bound(g, budget, boundaries=two) < stage_lp_bound(g, budget, boundaries=one) - 0.5
+    assert stage_lp_bound(g, budget, boundaries=two, integral=True) >= \
+        stage_lp_bound(g, budget, boundaries=one, integral=True) - 1e-6
+
+
+@settings(max_examples=60, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@given(kind=st.integers(0, 2), size=st.integers(3, 8), seed=st.integers(0, 10_000), frac=st.floats(0, 1),
+       picks=st.lists(st.integers(0, 7), min_size=2, max_size=4, unique=True))
+def test_the_integral_program_never_falls_with_a_boundary_added(kind, size, seed, frac, picks):
+    # every 0/1 solution at more boundaries is one at fewer (liveness at a boundary is
+    # whole), so stage_milp's rounds, which only add boundaries, prove ever more
+    g = small_graph(kind, size, seed)
+    budget = budget_between(g, frac)
+    ops = list(g.order)
+    marks = [ops[p % len(ops)] for p in picks]
+    fewer = stage_lp_bound(g, budget, boundaries=marks[:-1], integral=True)
+    more = stage_lp_bound(g, budget, boundaries=marks, integral=True)
+    if math.isinf(fewer):
+        assert math.isinf(more)
+    else:
+        base = g.total("time")
+        assert more >= fewer - 1e-4 * (fewer - base) - 1e-9 * base
+
+
 def test_stage_lp_out_of_time_is_none():
     g = random_training_graph(150, seed=0)
     budget = budget_between(g, 0.3)
