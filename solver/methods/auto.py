@@ -19,7 +19,11 @@ The recipe, cheapest first:
    reaches every budget that :class:`~solver.InfeasibleBudget` reports;
 5. with a time limit, on training graphs up to :data:`STAGE_MILP_MAX_OPS` ops,
    ``stage_milp``: the 0/1 stage program solved and turned into a schedule, which
-   comes with the program's proven bound (optimal when the two meet); then
+   comes with the program's proven bound (optimal when the two meet), with
+   :data:`STAGE_MILP_SHARE` of the time left; it stops once its bound puts the best
+   schedule so far within ``gap_tolerance``. Its rounds of row generation are what
+   close the gap on a captured Llama at 0.3x (the third and later programs take tens of
+   seconds each), where the searches after it add nothing; then
    an exact method (``cpsat``, ``checkmate_milp``) on small graphs when a time limit
    leaves time, warm-started from the best schedule so far; the next one runs only
    while the proven gap is above ``gap_tolerance``;
@@ -119,7 +123,7 @@ LNS_SECONDS = 1.0
 #: given (its programs grow with the steps over the budget).
 STAGE_MILP_MAX_OPS = 1000
 #: Share of the time left for ``stage_milp``.
-STAGE_MILP_SHARE = 0.4
+STAGE_MILP_SHARE = 0.7
 #: Staged recomputation plans on a stage-by-value table: graphs up to this many ops.
 STAGED_MAX_OPS = 3000
 
@@ -348,8 +352,10 @@ def solve_auto(graph: ComputeGraph, budget: int, *, time_limit: float | None = N
         #     search stop 14 % above the bound)
         if (training and n <= STAGE_MILP_MAX_OPS and not rescue and use_exact and left() > 1.0 and extra()
                 and not close_enough()):
+            keeps = best[0] is not None and not reorders.get(best[0].method, True)
             run("stage_milp", "the 0/1 stage program's solution, as a schedule with its proven bound",
-                time_limit=STAGE_MILP_SHARE * left())
+                time_limit=STAGE_MILP_SHARE * left(),
+                enough=best[1][0] - tolerance * (best[1][0] - base) if keeps else None)
         if n <= EXACT_MAX_OPS and use_bound and not rescue and use_exact and left() > 1.0 and extra():
             # the stage bounds first (a fraction of a second here): the exact methods
             # run only while they leave the gap open

@@ -163,7 +163,8 @@ def _repaired(graph: ComputeGraph, ix: IndexedGraph, sequence: list, budget: int
 
 @register("stage_milp", family="exact", order="fixed")
 def stage_milp(graph: ComputeGraph, budget_bytes: int, *, time_limit: float | None = None,
-               first: int | None = None, more: int | None = None, rounds: int = ROUNDS, **_) -> Schedule:
+               first: int | None = None, more: int | None = None, rounds: int = ROUNDS,
+               enough: float | None = None, **_) -> Schedule:
     """The 0/1 stage program at the steps over the budget, solved, as a schedule, with
     boundaries added where its sequence goes over the budget (see the module).
 
@@ -179,6 +180,9 @@ def stage_milp(graph: ComputeGraph, budget_bytes: int, *, time_limit: float | No
         by the graph's size: :data:`FIRST_BOUNDARIES`, :data:`MORE_BOUNDARIES`).
     rounds : int
         Rounds at most.
+    enough : float, optional
+        Stop once the proven bound reaches this cost (a schedule known elsewhere costs
+        little more than it).
 
     Returns
     -------
@@ -253,7 +257,7 @@ def stage_milp(graph: ComputeGraph, budget_bytes: int, *, time_limit: float | No
                 c = simulate(graph, fixed).cost
                 if c < best_cost:
                     best, best_cost = fixed, c
-        if best is not None and _closed(best_cost, bound, base):
+        if (best is not None and _closed(best_cost, bound, base)) or (enough is not None and bound >= enough):
             break
         if fits or not r.valid:
             break  # the program's best fits: more boundaries cannot lower its cost

@@ -137,3 +137,24 @@ def test_a_long_chain_of_recomputations_is_put_in_order():
     seq = sequence_from_stages(g, [ops[-1]], {v: [0] for v in ops[:-1]})
     assert seq == ops + ops[:-1]  # each after its input, all after the last boundary
     assert solver.simulate(g, seq).valid
+
+
+def test_rounds_prove_ever_more_and_stop_at_enough():
+    # a graph whose first programs give sequences over the budget: each round adds
+    # boundaries, so its bound never falls; asked to stop at the first round's bound,
+    # the method stops there
+    from solver.synthetic import random_training_graph
+
+    g = random_training_graph(30, seed=10)
+    budget = budget_between(g, 0.5)
+    full = stage_milp(g, budget, time_limit=30)
+    bounds = [r["bound"] for r in full.info["rounds"]]
+    assert len(bounds) >= 3 and all(b is not None for b in bounds)
+    assert all(later >= earlier - 1e-6 * earlier for earlier, later in zip(bounds, bounds[1:]))
+    assert all(r["seconds"] >= 0 for r in full.info["rounds"])
+    try:
+        early = stage_milp(g, budget, time_limit=30, enough=bounds[0])
+    except NoScheduleFound as exc:  # the first round's sequence did not fit
+        assert exc.lower_bound == pytest.approx(bounds[0])
+    else:
+        assert len(early.info["rounds"]) == 1
