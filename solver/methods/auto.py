@@ -21,9 +21,9 @@ The recipe, cheapest first:
    ``stage_milp``: the 0/1 stage program solved and turned into a schedule, which
    comes with the program's proven bound (optimal when the two meet), with
    :data:`STAGE_MILP_SHARE` of the time left; it stops once its bound puts the best
-   schedule so far within ``gap_tolerance``. Its rounds of row generation are what
-   close the gap on a captured Llama at 0.3x (the third and later programs take tens of
-   seconds each), where the searches after it add nothing; then
+   schedule so far within ``gap_tolerance``. Given two minutes, its rounds of row
+   generation close the gap on a captured Llama at 0.3x (the third and later programs take 10-50
+   s each), where the searches after it add nothing; then
    an exact method (``cpsat``, ``checkmate_milp``) on small graphs when a time limit
    leaves time, warm-started from the best schedule so far; the next one runs only
    while the proven gap is above ``gap_tolerance``;
