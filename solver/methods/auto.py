@@ -259,8 +259,11 @@ def solve_auto(graph: ComputeGraph, budget: int, *, time_limit: float | None = N
         bounds = [b for b in bounds if b is not None]
         if not bounds:
             return False
-        cost = best[1][0]
-        return cost - max(max(bounds), base) <= tolerance * (cost - base) + 1e-9
+        return max(max(bounds), base) >= enough() - 1e-9
+
+    def enough() -> float:
+        """The bound that puts the best schedule so far within the gap tolerance."""
+        return best[1][0] - tolerance * (best[1][0] - base)
 
     found: dict = {}  # "free", "fixed", "milp": the bounds once computed (None: none in time)
 
@@ -273,17 +276,17 @@ def solve_auto(graph: ComputeGraph, budget: int, *, time_limit: float | None = N
             from solver.bounds import fixed_order_bound, free_order_bound
             from solver.methods import milp
 
-            enough = best[1][0] - tolerance * (best[1][0] - base)
+            close_at = enough()
             if scope == "milp":
                 try:
-                    lb = milp.lower_bound(graph, budget, time_limit=seconds, order="fixed", enough=enough)
+                    lb = milp.lower_bound(graph, budget, time_limit=seconds, order="fixed", enough=close_at)
                     found[scope] = float(lb) if lb is not None and math.isfinite(lb) else None
                 except (SolverError, ValueError) as exc:
                     log.debug("no lower bound for %s: %s", graph.name, exc)
                     found[scope] = None
             else:
                 fn = free_order_bound if scope == "free" else fixed_order_bound
-                found[scope] = fn(graph, budget, time_limit=seconds, enough=enough)
+                found[scope] = fn(graph, budget, time_limit=seconds, enough=close_at)
         return found[scope]
 
     base = graph.total("time")
@@ -354,8 +357,7 @@ def solve_auto(graph: ComputeGraph, budget: int, *, time_limit: float | None = N
                 and not close_enough()):
             keeps = best[0] is not None and not reorders.get(best[0].method, True)
             run("stage_milp", "the 0/1 stage program's solution, as a schedule with its proven bound",
-                time_limit=STAGE_MILP_SHARE * left(),
-                enough=best[1][0] - tolerance * (best[1][0] - base) if keeps else None)
+                time_limit=STAGE_MILP_SHARE * left(), enough=enough() if keeps else None)
         if n <= EXACT_MAX_OPS and use_bound and not rescue and use_exact and left() > 1.0 and extra():
             # the stage bounds first (a fraction of a second here): the exact methods
             # run only while they leave the gap open
