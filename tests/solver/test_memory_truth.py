@@ -183,6 +183,26 @@ def test_the_smallest_feasible_budget_an_error_names_is_one_that_works(name, mod
     assert report.step_peak_bytes <= budget, (report.step_peak_bytes, budget)
 
 
+def test_on_one_thread_the_figure_named_covers_the_run_that_measures_workspaces():
+    # on one thread the U-Net's lowest-peak schedule measured 225 B above the smallest
+    # feasible peak its simulation named (the CPU kernels' buffers differ by thread
+    # count), and planning at that figure ran the same schedule again, over it
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    try:
+        model, args, loss_fn = ZOO["unet_bn"]()
+        budget = 0.5 * _plain_peak(model, args, loss_fn)
+        with pytest.raises(solver.InfeasibleBudget) as info:
+            solver.optimize(model, budget / GiB, args, mode="graph", measure_time=False, loss_fn=loss_fn)
+        named = info.value.smallest_feasible_bytes
+        fast = solver.optimize(model, named / GiB, args, mode="graph", measure_time=False, loss_fn=loss_fn)
+        _planning_fits(fast.report, named, "graph")
+        (report,) = _train(fast, args, loss_fn, 1)
+        assert report.step_peak_bytes <= named, (report.step_peak_bytes, named)
+    finally:
+        torch.set_num_threads(threads)
+
+
 @pytest.mark.slow
 @pytest.mark.parametrize("name,mode,frac", [("hf_gpt2", "graph", 0.5), ("hf_gpt2", "graph", 0.3),
                                             ("hf_gpt2", "module", 0.7), ("hf_llama", "graph", 0.5),

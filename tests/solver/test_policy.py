@@ -138,8 +138,10 @@ def small_gpt():
     torch = pytest.importorskip("torch")
     from examples import models
 
+    threads = torch.get_num_threads()
     torch.set_num_threads(1)
-    return models.gpt(n_layer=3, d=64, seq=64, batch=2, dropout=0.0)
+    yield models.gpt(n_layer=3, d=64, seq=64, batch=2, dropout=0.0)
+    torch.set_num_threads(threads)  # the tests after these run as they would alone
 
 
 def test_graph_policy_fits_and_uses_simulator(small_gpt):
