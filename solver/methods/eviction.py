@@ -780,8 +780,10 @@ def order_search(
     best, best_key, best_info = None, None, None
     misses = 0
     for k, o in enumerate(orders):
-        if best is not None and (_time.perf_counter() > deadline or misses >= patience):
+        if best is not None and misses >= patience:
             break
+        if k and _time.perf_counter() > deadline:
+            break  # (the reference order is always tried)
         if order_peak(ix, o) <= cap:
             seq, sc = list(o), "none"
         else:

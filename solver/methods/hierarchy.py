@@ -26,9 +26,14 @@ from graphs import ComputeGraph
 from solver.registry import register
 from solver.schedule import Schedule
 
-__all__ = ["Coarsening", "coarsen", "expand", "hierarchical"]
+__all__ = ["Coarsening", "coarsen", "expand", "hierarchical", "COARSE_SHARE"]
 
 log = logging.getLogger(__name__)
+
+#: The share of ``time_limit`` that :func:`hierarchical` gives the coarse solve (its fused
+#: workspaces are conservative: where it finds nothing, the original graph is solved in
+#: the rest of the time).
+COARSE_SHARE = 0.6
 
 
 class Coarsening:
@@ -163,7 +168,8 @@ def hierarchical(graph: ComputeGraph, budget_bytes: int, *, time_limit: float | 
     graph : ComputeGraph
     budget_bytes : int
     time_limit : float, optional
-        Seconds for the coarse solve.
+        Seconds in all: the coarse solve gets :data:`COARSE_SHARE` of them, and where it
+        finds nothing, the solve of the original graph the rest.
     **options
         Passed to the coarse solve.
 
@@ -193,13 +199,16 @@ def hierarchical(graph: ComputeGraph, budget_bytes: int, *, time_limit: float | 
     from solver.methods.auto import solve_auto
     from solver.grading import grade
 
+    from solver.deadline import Deadline
     from solver.errors import NoScheduleFound, SolverError
 
+    deadline = Deadline(time_limit)
     c = coarsen(graph)
     if c.fused:
         try:
             # a bound on the coarse graph is no bound on the original: skip it
-            inner = solve_auto(c.graph, int(budget_bytes), time_limit=time_limit,
+            inner = solve_auto(c.graph, int(budget_bytes),
+                               time_limit=None if time_limit is None else COARSE_SHARE * float(time_limit),
                                **{**options, "bound": False})
             grade(c.graph, inner, int(budget_bytes))
         except (NoScheduleFound, SolverError) as exc:
@@ -207,7 +216,8 @@ def hierarchical(graph: ComputeGraph, budget_bytes: int, *, time_limit: float | 
             log.debug("coarse solve of %s failed (%s); solving the original graph", graph.name, exc)
             c = Coarsening(graph, {v: [v] for v in graph.order})
     if c.fused == 0:
-        inner = solve_auto(graph, int(budget_bytes), time_limit=time_limit, **options)
+        inner = solve_auto(graph, int(budget_bytes),
+                           time_limit=None if time_limit is None else max(0.1, deadline.left()), **options)
         seq = list(inner.sequence)
     else:
         seq = expand(c, inner.sequence)

@@ -1,7 +1,9 @@
-"""Time limits: the Deadline clock, and the contract that every exact method and ``auto``
-return within their ``time_limit`` (10 % or 1 s of slack), model building included, on
-graphs far too large for them to finish."""
+"""Time limits: the Deadline clock, and the contract that every method that takes a
+``time_limit`` (the exact ones, ``auto``, the searches) returns within it (10 % or 1 s of
+slack), model building included, on graphs far too large for them to finish."""
 
+import importlib
+import inspect
 import time
 
 import pytest
@@ -74,6 +76,53 @@ def test_exact_method_out_of_time_returns_its_warm_start(method):
     r = simulate(g, out)
     assert r.valid and r.peak_bytes <= budget and r.cost <= simulate(g, hint).cost
     assert out.info["status"] in ("hint", "feasible", "optimal", "optimal_within_copies")
+
+
+#: every registered method that takes a time limit
+LIMITED = sorted(name for name, info in methods().items()
+                 if "time_limit" in inspect.signature(info.fn).parameters and name != "offload")
+
+
+@pytest.mark.parametrize("method", LIMITED)
+def test_every_method_keeps_its_time_limit_where_it_finds_little(method):
+    # half the store-all peak of 300 ops: the searches find nothing or little, and the
+    # order search used to try every candidate order past its limit while none fitted
+    g, budget = _graph(150, fraction=0.5)
+    out, elapsed = _timed(get_method(method).fn, g, budget, time_limit=LIMIT)
+    assert elapsed <= LIMIT + SLACK, f"{method} took {elapsed:.2f} s for a limit of {LIMIT} s"
+    if not isinstance(out, NoScheduleFound):
+        assert simulate(g, out).peak_bytes <= budget
+
+
+def test_hierarchical_keeps_its_time_limit_when_the_coarse_solve_finds_nothing(monkeypatch):
+    # the coarse graph's fused workspaces are conservative: where its solve finds nothing
+    # in its time, the original graph is solved in what is left, not in a second limit
+    from solver.methods import hierarchy
+
+    auto_module = importlib.import_module("solver.methods.auto")
+    real = auto_module.solve_auto
+    from graphs import ComputeGraph
+
+    g = ComputeGraph()  # a -> relu -> scale -> b, with a read again by c: the middle run fuses
+    for v, b in [("a", 8), ("relu", 8), ("scale", 8), ("b", 4), ("c", 2)]:
+        g.add_node(v, bytes=b, time=1.0)
+    for u, v in [("a", "relu"), ("relu", "scale"), ("scale", "b"), ("b", "c"), ("a", "c")]:
+        g.add_edge(u, v)
+    budget = simulate(g, g.order).peak_bytes
+    assert hierarchy.coarsen(g).fused  # the coarse solve runs on this graph
+    given = []
+
+    def slow_coarse(graph, budget_bytes, *, time_limit=None, **options):
+        given.append(time_limit)
+        if graph is not g:  # the coarse graph: spends its time, finds nothing
+            time.sleep(time_limit)
+            raise NoScheduleFound("nothing on the coarse graph")
+        return real(graph, budget_bytes, time_limit=time_limit, **options)
+
+    monkeypatch.setattr(auto_module, "solve_auto", slow_coarse)
+    out, elapsed = _timed(get_method("hierarchical").fn, g, budget, time_limit=LIMIT)
+    assert len(given) == 2 and given[0] < LIMIT and given[1] <= LIMIT - given[0] + 0.1
+    assert elapsed <= LIMIT + SLACK, f"hierarchical took {elapsed:.2f} s for a limit of {LIMIT} s"
 
 
 @pytest.mark.parametrize("n_forward", [55, 150])
