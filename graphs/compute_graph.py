@@ -53,6 +53,7 @@ from collections import Counter
 from typing import Any, Hashable, Iterable
 
 import networkx as nx
+import numpy as np
 
 from graphs.errors import GraphFormatError
 from graphs.units import format_bytes as _fmt_bytes, format_count as _fmt_num
@@ -68,6 +69,10 @@ KINDS = ("op",) + SOURCE_KINDS
 PHASES = ("forward", "backward")
 #: numeric node attributes: finite and non-negative
 _AMOUNTS = ("bytes", "flops", "time", "workspace", "run_workspace")
+#: Of :data:`_AMOUNTS`, those counted in bytes (whole numbers).
+_BYTE_AMOUNTS = ("bytes", "workspace", "run_workspace")
+#: Node attributes that are true or false.
+_FLAGS = ("output", "recomputable")
 _DEFAULTS: dict[str, Any] = {
     "kind": "op",
     "phase": "forward",
@@ -121,7 +126,7 @@ class ComputeGraph:
                 data.setdefault(key, value)
         self.name = name or str(self.nx.graph.get("name", ""))
         self.meta: dict[str, Any] = dict(meta or {})
-        self._order: list[Hashable] | None = list(order) if order is not None else None
+        self._order: list[Hashable] | None = _order_list(order, name) if order is not None else None
         self._cache: dict[str, Any] = {}
         #: the joint torch.fx graph and capture details, when captured from a model
         #: (in memory only; not saved to JSON)
@@ -180,7 +185,7 @@ class ComputeGraph:
 
     @order.setter
     def order(self, value: Iterable[Hashable]) -> None:
-        self._order = list(value)
+        self._order = _order_list(value, self.name)
         self._invalidate()
 
     @property
@@ -312,6 +317,13 @@ class ComputeGraph:
                 if not ok or not math.isfinite(value) or value < 0:
                     raise GraphFormatError(f"{where}{self._label(n)} has {key}={value!r}; "
                                            f"give a finite number >= 0")
+                if key in _BYTE_AMOUNTS and value != int(value):
+                    raise GraphFormatError(f"{where}{self._label(n)} has {key}={value!r}; "
+                                           f"give a whole number of bytes")
+            for key in _FLAGS:
+                if key in data and not isinstance(data[key], (bool, np.bool_)):
+                    raise GraphFormatError(f"{where}{self._label(n)} has {key}={data[key]!r}; "
+                                           f"give true or false")
         if not nx.is_directed_acyclic_graph(self.nx):
             cycle = [u for u, _ in nx.find_cycle(self.nx)]
             shown = " -> ".join(repr(u) for u in cycle[:6]) + (" ..." if len(cycle) > 6 else "")
@@ -487,6 +499,15 @@ class ComputeGraph:
         return "\n".join(lines)
 
 
+def _order_list(order: Any, name: str) -> list:
+    """``order`` as a list of node ids; a string, a mapping or a non-iterable is refused
+    (``list("f0")`` would read as the nodes ``'f'`` and ``'0'``)."""
+    if isinstance(order, (str, bytes, dict)) or not isinstance(order, Iterable):
+        where = f"graph {name!r}: " if name else ""
+        raise GraphFormatError(f"{where}the reference order is a {type(order).__name__}; give a list of node ids")
+    return list(order)
+
+
 def _node_link_lists(data: dict[str, Any]) -> tuple[list[dict], list[dict]]:
     """The node and link records of node-link data, checked for ids and known endpoints."""
     nodes = data.get("nodes")
@@ -500,6 +521,9 @@ def _node_link_lists(data: dict[str, Any]) -> tuple[list[dict], list[dict]]:
         if not isinstance(n, dict) or "id" not in n:
             raise GraphFormatError(f"node record {k} has no 'id'")
         try:
+            if n["id"] in ids:
+                raise GraphFormatError(f"node record {k} repeats the id {n['id']!r}; give every node "
+                                       f"its own id")
             ids.add(n["id"])
         except TypeError:
             raise GraphFormatError(f"node record {k} has id {n['id']!r}; use a string or a number") from None

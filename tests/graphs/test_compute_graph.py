@@ -129,6 +129,38 @@ def test_negative_or_nan_benchmark_costs(tmp_path, make, node_id, key):
         _refused(tmp_path, data, f"node {node_id}")
 
 
+@pytest.mark.parametrize("key,value,needle", [("bytes", 4.5, "whole number of bytes"),
+                                              ("workspace", 0.25, "whole number of bytes"),
+                                              ("recomputable", "no", "true or false"),
+                                              ("output", 1, "true or false")])
+def test_fractional_bytes_and_flags_that_are_not_booleans(tmp_path, key, value, needle):
+    # "no" would read as true, and half a byte as a peak no allocator gives
+    data = _remat_data()
+    _node(data, "f1")[key] = value
+    _refused(tmp_path, data, "node 'f1'", f"{key}=", needle)
+
+
+def test_whole_floats_of_bytes_load():
+    data = _remat_data()
+    _node(data, "f1")["bytes"] = 4.0
+    assert ComputeGraph.from_dict(data).nx.nodes["f1"]["bytes"] == 4
+
+
+def test_a_repeated_node_id(tmp_path):
+    data = _remat_data()
+    data["nodes"].append(dict(_node(data, "f1"), bytes=99))  # would silently replace the first
+    _refused(tmp_path, data, "repeats the id 'f1'")
+
+
+def test_an_order_that_is_not_a_list(tmp_path):
+    data = _remat_data()
+    data["graph"]["order"] = "f0"  # would read as the nodes 'f' and '0'
+    _refused(tmp_path, data, "reference order is a str")
+    g = training_chain(2)
+    with pytest.raises(GraphFormatError, match="give a list of node ids"):
+        g.order = "f0"
+
+
 def test_unknown_kind_and_phase(tmp_path):
     data = _remat_data()
     _node(data, "f2")["kind"] = "activation"
