@@ -204,7 +204,8 @@ def _pick_boundaries(excess: list[float], allowed: list[bool], stages: int) -> l
 def stage_lp_bound(graph: ComputeGraph, budget_bytes: int, *, stages: int = STAGES,
                    boundaries: list | None = None, time_limit: float | None = None,
                    kept: dict | None = None, integral: bool = False,
-                   solution: dict | None = None) -> float | None:
+                   solution: dict | None = None, hold: dict | None = None,
+                   hint: dict | None = None) -> float | None:
     """A lower bound on the cost of any schedule whose first computations follow the
     reference order: the linear relaxation of the schedule at a few steps (stages).
 
@@ -253,13 +254,22 @@ def stage_lp_bound(graph: ComputeGraph, budget_bytes: int, *, stages: int = STAG
         computes it again, interval ``k`` following boundary ``k``) and ``"value"``
         (the solution's extra compute); with ``integral``, a schedule to build
         (:mod:`solver.methods.stage_milp`).
+    hold : dict, optional
+        Intervals whose recomputations are held as given: ``(first boundary, next
+        boundary or None) -> node ids computed again in that interval``; an interval
+        between those two boundaries computes again some of them, and nothing else. A program with held intervals is a
+        restriction, not a relaxation: its value bounds nothing, and serves to build a
+        schedule (:mod:`solver.methods.stage_milp`).
+    hint : dict, optional
+        With ``integral``, a solution at the same boundaries to start from, as
+        ``solution["redo"]`` gives it (node id -> intervals).
 
     Returns
     -------
     float or None
         At least the store-all cost; ``math.inf`` when the LP proves that no fixed-order
-        schedule fits; None when the LP did not finish in time (or, with ``integral``,
-        proved nothing in it).
+        schedule fits (with ``hold``: none that holds those intervals); None when the LP
+        did not finish in time (or, with ``integral``, proved nothing in it).
 
     Raises
     ------
@@ -322,7 +332,8 @@ def stage_lp_bound(graph: ComputeGraph, budget_bytes: int, *, stages: int = STAG
 
     rule = _Rule(candidates=lambda k: range(marks[k]), before=lambda i, k: i < marks[k], required=required,
                  may_first=lambda i, k: i > marks[0] and interval(i) == k)
-    return _relaxation(graph, budget_bytes, ops, index, size, marks, rule, deadline, kept, integral, solution)
+    return _relaxation(graph, budget_bytes, ops, index, size, marks, rule, deadline, kept, integral, solution,
+                       hold, hint)
 
 
 class _Rule:
@@ -354,7 +365,7 @@ def _boundary_indices(graph: ComputeGraph, boundaries, index: dict) -> list[int]
 
 def _relaxation(graph: ComputeGraph, budget_bytes: int, ops: list, index: dict, size: list, marks: list,
                 rule: _Rule, deadline, kept: dict | None, integral: bool = False,
-                solution: dict | None = None) -> float | None:
+                solution: dict | None = None, hold: dict | None = None, hint: dict | None = None) -> float | None:
     """The LP of :func:`stage_lp_bound` at the boundaries ``marks`` (op indices, in the
     order of their first computations), with what the order freedom allows from ``rule``."""
     from solver.deadline import OutOfTime
@@ -464,6 +475,19 @@ def _relaxation(graph: ComputeGraph, budget_bytes: int, ops: list, index: dict, 
             c = lp.Constraint(0.0, lp.infinity())
             c.SetCoefficient(r, 1.0)
             c.SetCoefficient(q, -1.0)
+        if hold:
+            held = {}  # interval -> what it computes again
+            for k in range(m):
+                key = (ops[marks[k]], ops[marks[k + 1]] if k + 1 < m else None)
+                if key in hold:
+                    held[k] = {index[v] for v in hold[key] if v in index}
+            for (i, k), q in redo.items():
+                if k in held and i not in held[k]:
+                    q.SetBounds(0.0, 0.0)
+        if hint is not None and integral and redo:
+            pairs = list(redo.items())
+            lp.SetHint([q for _, q in pairs],
+                       [1.0 if k in hint.get(ops[i], ()) else 0.0 for (i, k), _ in pairs])
         objective.SetMinimization()
         deadline.check("building the stage LP")
         left = deadline.left()

@@ -24,6 +24,16 @@ op), the most over first.
 On the captured U-Net of the benchmarks at 0.7x, the program at its four steps over the
 budget gives a schedule that costs what the program proves (+19.37 %) in seconds, where
 the heuristics and the search stop at +22.3 % with a gap of 14 %.
+
+On large graphs whose plan goes far over the budget, the whole program grows slow with
+each round (on the captured Llama at 0.3x: tens of seconds from the third round on), so
+the later rounds are *held*: the intervals that the new boundaries leave whole may
+compute again only what the last solution computed there, which SCIP settles in a
+second or two, and one boundary goes to each run of steps over the budget. Held
+rounds prove nothing; once their plan fits, the whole program at their boundaries,
+started from that plan, proves what it can in the time left. On that Llama, this gives
++18.25 % proven within 0.2 % in 10 s, where the whole rounds found no schedule in 10 s
+and took 140 s to reach the same one.
 """
 
 from __future__ import annotations
@@ -40,7 +50,8 @@ from solver.registry import register
 from solver.schedule import Schedule
 from solver.simulate import simulate
 
-__all__ = ["stage_milp", "sequence_from_stages", "FIRST_BOUNDARIES", "MORE_BOUNDARIES", "ROUNDS", "SMALL_OPS"]
+__all__ = ["stage_milp", "sequence_from_stages", "FIRST_BOUNDARIES", "MORE_BOUNDARIES", "ROUNDS", "SMALL_OPS",
+           "HELD_SHARE", "HELD_SECONDS", "HELD_OVER"]
 
 #: Boundaries of the first round (the steps most over the budget), and at most added by
 #: each later one: on graphs up to :data:`SMALL_OPS` ops, and on larger ones (where
@@ -51,6 +62,15 @@ MORE_BOUNDARIES = (8, 2)
 SMALL_OPS = 400
 #: Rounds at most.
 ROUNDS = 8
+#: A held round's share of the time left, and its seconds at least (see ``hold_rounds``).
+HELD_SHARE = 0.3
+HELD_SECONDS = 2.0
+#: Rounds are held from the first plan that goes this far over the budget on (a peak of
+#: 1.25x the budget and more: the captured Llama at 0.3x of its store-all peak, where the
+#: plan of the first round peaks at 1.3-1.4x and the whole program's rounds take tens of
+#: seconds from the third on; HF GPT-2 at 0.5x starts at 1.13x, and its whole program's
+#: rounds prove more than held rounds find).
+HELD_OVER = 1.25
 
 
 def sequence_from_stages(graph: ComputeGraph, boundaries: Sequence[Hashable],
@@ -164,7 +184,7 @@ def _repaired(graph: ComputeGraph, ix: IndexedGraph, sequence: list, budget: int
 @register("stage_milp", family="exact", order="fixed")
 def stage_milp(graph: ComputeGraph, budget_bytes: int, *, time_limit: float | None = None,
                first: int | None = None, more: int | None = None, rounds: int = ROUNDS,
-               enough: float | None = None, **_) -> Schedule:
+               enough: float | None = None, hold_rounds: bool | None = None, **_) -> Schedule:
     """The 0/1 stage program at the steps over the budget, solved, as a schedule, with
     boundaries added where its sequence goes over the budget (see the module).
 
@@ -183,6 +203,14 @@ def stage_milp(graph: ComputeGraph, budget_bytes: int, *, time_limit: float | No
     enough : float, optional
         Stop once the proven bound reaches this cost (a schedule known elsewhere costs
         little more than it).
+    hold_rounds : bool, optional
+        Once a round's plan peaks above :data:`HELD_OVER` times the budget, solve
+        each later round's program with the intervals that its new boundaries leave
+        whole held to what the last solution computes again there (a restriction:
+        faster, and it proves nothing), for at most
+        :data:`HELD_SHARE` of the time left (at least :data:`HELD_SECONDS`); where
+        its plan fits, the whole program at those boundaries, started from that plan,
+        gets the time left. Default: on graphs of more than :data:`SMALL_OPS` ops.
 
     Returns
     -------
@@ -223,44 +251,75 @@ def stage_milp(graph: ComputeGraph, budget_bytes: int, *, time_limit: float | No
         return Schedule(sequence=list(ops), method="stage_milp", lower_bound=base,
                         info={"order": "fixed", "optimal": True, "rounds": 0})
     small = len(ops) <= SMALL_OPS
+    hold_rounds = not small if hold_rounds is None else bool(hold_rounds)
     first = FIRST_BOUNDARIES[0 if small else 1] if first is None else first
     more = MORE_BOUNDARIES[0 if small else 1] if more is None else more
     marks = sorted(over[:max(1, first)])
     bound, best, best_cost = base, None, math.inf
     history = []
+    last = None
+
+    def _repair_into(seq: list, share: float = 0.3) -> None:
+        nonlocal best, best_cost
+        fixed = _repaired(graph, ix, seq, budget_bytes, _time.perf_counter() + max(0.0, share * deadline.left()))
+        if fixed is not None:
+            c = simulate(graph, fixed).cost
+            if c < best_cost:
+                best, best_cost = fixed, c
+
+    held = None  # the intervals that a held round keeps as the last solution had them
+    hint = None  # a held round's solution that fitted: the start of the last round
     for round_ in range(max(1, rounds)):
         if deadline.expired():
             break
         solution: dict = {}
         started = _time.perf_counter()
+        seconds = deadline.left() if held is None else min(deadline.left(),
+                                                           max(HELD_SECONDS, HELD_SHARE * deadline.left()))
         lb = stage_lp_bound(graph, budget_bytes, boundaries=[ops[t] for t in marks], integral=True,
-                            time_limit=max(0.05, deadline.left()), solution=solution)
-        if lb is not None:
-            bound = max(bound, lb)
+                            time_limit=max(0.05, seconds), solution=solution, hold=held, hint=hint)
+        hint = None
+        if held is not None and (lb is None or math.isinf(lb) or not solution):
+            # nothing that holds those intervals, in its time: the whole program instead
+            history.append({"boundaries": len(marks), "bound": None, "cost": None, "peak": None,
+                            "seconds": _time.perf_counter() - started, "held": True})
+            held = None
+            continue
+        if held is None and lb is not None:
+            bound = max(bound, lb)  # (a held round's value bounds nothing)
         if math.isinf(bound):
             raise NoScheduleFound(f"stage_milp: no fixed-order schedule of {graph.name or 'the graph'} fits "
                                   f"{budget_bytes} B (the stage program is infeasible)")
         if not solution:
             history.append({"boundaries": len(marks), "bound": lb, "cost": None, "peak": None,
-                            "seconds": _time.perf_counter() - started})
+                            "seconds": _time.perf_counter() - started, "held": False})
             break
         seq = sequence_from_stages(graph, solution["boundaries"], solution["redo"])
         r = simulate(graph, seq)
         fits = r.valid and r.peak_bytes <= budget_bytes
-        history.append({"boundaries": len(marks), "bound": lb, "cost": r.cost if fits else None,
-                        "peak": r.peak_bytes, "seconds": _time.perf_counter() - started})
+        history.append({"boundaries": len(marks), "bound": lb if held is None else None,
+                        "cost": r.cost if fits else None, "peak": r.peak_bytes,
+                        "seconds": _time.perf_counter() - started, "held": held is not None})
         if fits and r.cost < best_cost:
             best, best_cost = seq, r.cost
+        # far over the budget: many rounds to go, and the whole program grows slow with
+        # each; hold from now on
+        holding = hold_rounds and not fits and (held is not None or r.peak_bytes > HELD_OVER * budget_bytes)
         if not fits and r.valid:
-            fixed = _repaired(graph, ix, seq, budget_bytes, _time.perf_counter() + max(0.0, 0.3 * deadline.left()))
-            if fixed is not None:
-                c = simulate(graph, fixed).cost
-                if c < best_cost:
-                    best, best_cost = fixed, c
+            if holding:
+                last = seq  # repaired at the end, if no held round's plan fits
+            else:
+                _repair_into(seq)
         if (best is not None and _closed(best_cost, bound, base)) or (enough is not None and bound >= enough):
             break
+        if fits and held is not None:
+            # the held rounds found boundaries where the program's plan fits: the whole
+            # program there, from that plan, proves what it can in the time left
+            held, hint = None, solution["redo"]
+            continue
         if fits or not r.valid:
             break  # the program's best fits: more boundaries cannot lower its cost
+        held = _intervals(ops, index, solution) if holding else None
         # the first computations at or after the steps over the budget become boundaries
         seen: set = set()
         first_at = []  # (position in seq, op index) of each first computation
@@ -268,20 +327,32 @@ def stage_milp(graph: ComputeGraph, budget_bytes: int, *, time_limit: float | No
             if v not in seen:
                 seen.add(v)
                 first_at.append((pos, index[v]))
-        new: dict = {}
-        j = 0
+        new: dict = {}  # op index -> the most its step is over the budget
+        region: dict = {}  # run of steps over the budget -> its op most over it
+        j, run, over_before = 0, -1, False
         for pos, mem in enumerate(r.memory_curve):
             if mem <= budget_bytes:
+                over_before = False
                 continue
+            run += 0 if over_before else 1
+            over_before = True
             while j < len(first_at) and first_at[j][0] < pos:
                 j += 1
             if j < len(first_at):
                 t = first_at[j][1]
                 if t not in marks:
                     new[t] = max(new.get(t, 0), int(mem) - int(budget_bytes))
+                    if run not in region or new[t] > new[region[run]]:
+                        region[run] = t
         if not new:
             break
-        marks = sorted(set(marks) | set(sorted(new, key=lambda t: -new[t])[:max(1, more)]))
+        # with held rounds, one boundary per run of steps over the budget (the worst
+        # runs first): the plan goes over in several places, and two boundaries in one
+        # place leave the others over for another round
+        pool = region.values() if holding else new
+        marks = sorted(set(marks) | set(sorted(pool, key=lambda t: -new[t])[:max(1, more)]))
+    if best is None and last is not None:
+        _repair_into(last, share=1.0)  # (in what is left of the time)
     if best is None:
         raise NoScheduleFound(f"stage_milp found no schedule of {graph.name or 'the graph'} within {budget_bytes} B "
                               f"in {limit:g} s ({len(history)} rounds); give a longer time_limit",
@@ -289,6 +360,18 @@ def stage_milp(graph: ComputeGraph, budget_bytes: int, *, time_limit: float | No
     bound = min(bound, best_cost)
     return Schedule(sequence=list(best), method="stage_milp", lower_bound=bound,
                     info={"order": "fixed", "optimal": _closed(best_cost, bound, base), "rounds": history})
+
+
+def _intervals(ops: list, index: dict, solution: dict) -> dict:
+    """A solution's intervals, ``(first boundary, next boundary or None) -> what it
+    computes again there``: the ``hold`` of :func:`solver.bounds.stage_lp_bound`."""
+    marks = solution["boundaries"]
+    out: dict = {(v, marks[k + 1] if k + 1 < len(marks) else None): set() for k, v in enumerate(marks)}
+    keys = list(out)
+    for v, ks in solution["redo"].items():
+        for k in ks:
+            out[keys[k]].add(v)
+    return out
 
 
 def _closed(cost: float, bound: float, base: float) -> bool:

@@ -28,8 +28,8 @@ def _check(g, budget, s):
 
 @settings(max_examples=80, deadline=None, suppress_health_check=[HealthCheck.too_slow])
 @given(kind=st.integers(0, 2), size=st.integers(2, 8), seed=st.integers(0, 10_000), frac=st.floats(0, 1),
-       grouped=st.booleans())
-def test_never_below_and_optimal_only_at_the_brute_force_optimum(kind, size, seed, frac, grouped):
+       grouped=st.booleans(), held=st.booleans())
+def test_never_below_and_optimal_only_at_the_brute_force_optimum(kind, size, seed, frac, grouped, held):
     g = small_graph(kind, size, seed)
     if grouped and len(g.ops) >= 3:  # two ops made projections of one multi-output op
         members = list(g.order)[1:3]
@@ -42,7 +42,8 @@ def test_never_below_and_optimal_only_at_the_brute_force_optimum(kind, size, see
     except (NoScheduleFound, InfeasibleBudget):
         best = None
     try:
-        s = stage_milp(g, budget, time_limit=5)
+        # (held: the rounds of large graphs, one boundary first and two more a round)
+        s = stage_milp(g, budget, time_limit=5, **(dict(hold_rounds=True, first=1, more=2) if held else {}))
     except NoScheduleFound as exc:
         if "infeasible" in str(exc):
             assert best is None, "the stage program called a budget infeasible that a schedule fits"
@@ -158,3 +159,46 @@ def test_rounds_prove_ever_more_and_stop_at_enough():
         assert exc.lower_bound == pytest.approx(bounds[0])
     else:
         assert len(early.info["rounds"]) == 1
+
+
+def test_a_held_program_keeps_its_intervals_and_bounds_nothing():
+    # holding every interval to what the program's own solution computes again there
+    # leaves its optimum; holding them to nothing forbids every recomputation
+    from solver.bounds import stage_lp_bound
+    from solver.methods.stage_milp import _intervals
+    from solver.synthetic import random_training_graph
+
+    g = random_training_graph(12, seed=3)
+    budget = budget_between(g, 0.4)
+    ops = list(g.order)
+    marks = [ops[len(ops) // 3], ops[len(ops) // 2]]
+    solution: dict = {}
+    whole = stage_lp_bound(g, budget, boundaries=marks, integral=True, time_limit=10, solution=solution)
+    assert solution["redo"] and whole > g.total("time")
+    held = _intervals(ops, {v: i for i, v in enumerate(ops)}, solution)
+    again: dict = {}
+    same = stage_lp_bound(g, budget, boundaries=marks, integral=True, time_limit=10, solution=again, hold=held)
+    assert same == pytest.approx(whole)
+    assert set(again["redo"]) <= {v for vs in held.values() for v in vs}
+    nothing = {key: set() for key in held}
+    assert stage_lp_bound(g, budget, boundaries=marks, integral=True, time_limit=10, hold=nothing) == math.inf
+
+
+def test_held_rounds_reach_the_optimum_the_whole_rounds_prove():
+    # held rounds (the whole program restricted to the last plan's intervals where no new
+    # boundary falls) find boundaries where the plan fits; the whole program there,
+    # started from that plan, then proves it optimal: the cost the rounds of whole
+    # programs prove optimal too
+    from solver.synthetic import random_training_graph
+
+    g = random_training_graph(20, seed=0)
+    budget = budget_between(g, 0.35)
+    s = stage_milp(g, budget, time_limit=60, hold_rounds=True, first=1, more=2)
+    rounds = s.info["rounds"]
+    assert any(r["held"] for r in rounds)
+    assert all(r["bound"] is None for r in rounds if r["held"])  # a restriction proves nothing
+    assert rounds[-1]["held"] is False and rounds[-1]["cost"] is not None
+    r = _check(g, budget, s)
+    whole = stage_milp(g, budget, time_limit=60)
+    assert s.info["optimal"] and whole.info["optimal"]
+    assert r.cost == pytest.approx(solver.simulate(g, whole).cost, rel=1e-6)
