@@ -5,8 +5,14 @@ The recipe, cheapest first:
 1. store-all, when the reference order fits (no extra compute: optimal);
 2. ``eviction`` on the reference order (fast, near-optimal on training graphs);
 3. ``chain_dp`` on training graphs (optimal for chains of stages), ``lp_eviction``
-   (eviction guided by the stage LP's plan, with its unneeded recomputations removed),
-   ``cover`` (which forward values the backward keeps, as a covering MILP over the
+   (eviction guided by the stage LP's plan, with its unneeded recomputations removed);
+   with a time limit, on training graphs up to :data:`STAGE_MILP_MAX_OPS` ops,
+   ``stage_milp``: the 0/1 stage program solved and turned into a schedule, which
+   comes with the program's proven bound (optimal when the two meet), with
+   :data:`STAGE_MILP_SHARE` of the time left; it stops once its bound puts the best
+   schedule so far within ``gap_tolerance`` (on a captured Llama at 0.3x its held
+   rounds reach the optimum for the reference order in 10 s, where the heuristics
+   after it stop 15 % above); then ``cover`` (which forward values the backward keeps, as a covering MILP over the
    steps over the budget), then ``block_dp`` (each distinct layer block solved exactly, the blocks composed by
    a DP over the chain) where one block repeats :data:`BLOCK_DP_MIN_REPEATS` times;
    then staged recomputation (:func:`~solver.methods.staged.staged_sequence`) on the
@@ -17,14 +23,7 @@ The recipe, cheapest first:
    order freedom matters: forward-only graphs, or training graphs whose greedy low-memory order lowers the reference peak; then the
    low-memory recipe of :func:`~solver.methods.minpeak.min_peak_sequence`, which
    reaches every budget that :class:`~solver.InfeasibleBudget` reports;
-5. with a time limit, on training graphs up to :data:`STAGE_MILP_MAX_OPS` ops,
-   ``stage_milp``: the 0/1 stage program solved and turned into a schedule, which
-   comes with the program's proven bound (optimal when the two meet), with
-   :data:`STAGE_MILP_SHARE` of the time left; it stops once its bound puts the best
-   schedule so far within ``gap_tolerance``. Given two minutes, its rounds of row
-   generation close the gap on a captured Llama at 0.3x (the third and later programs take 10-50
-   s each), where the searches after it add nothing; then
-   an exact method (``cpsat``, ``checkmate_milp``) on small graphs when a time limit
+5. an exact method (``cpsat``, ``checkmate_milp``) on small graphs when a time limit
    leaves time, warm-started from the best schedule so far; the next one runs only
    while the proven gap is above ``gap_tolerance``;
 6. on the winner, :func:`drop_recomputations`: the heuristics plan with a conservative
@@ -289,6 +288,15 @@ def solve_auto(graph: ComputeGraph, budget: int, *, time_limit: float | None = N
                 found[scope] = fn(graph, budget, time_limit=seconds, enough=close_at)
         return found[scope]
 
+    def stage_program() -> None:
+        """``stage_milp`` once, on training graphs up to :data:`STAGE_MILP_MAX_OPS` ops
+        with a time limit, where a schedule is known and the gap is open."""
+        if (training and n <= STAGE_MILP_MAX_OPS and "stage_milp" not in tried and best[0] is not None
+                and use_exact and left() > 1.0 and extra() and not close_enough()):
+            keeps = not reorders.get(best[0].method, True)
+            run("stage_milp", "the 0/1 stage program's solution, as a schedule with its proven bound",
+                time_limit=STAGE_MILP_SHARE * left(), enough=enough() if keeps else None)
+
     base = graph.total("time")
     ref_peak = order_peak(ix, range(n))
     if ref_peak + ix.fixed <= budget:
@@ -306,17 +314,23 @@ def solve_auto(graph: ComputeGraph, budget: int, *, time_limit: float | None = N
         if training and extra():
             run("lp_eviction", "eviction guided by the stage LP's relaxed plan",
                 time_limit=max(0.3, min(LP_EVICTION_SECONDS, 0.5 * left()) if unlimited else 0.6 * left()))
-        # 3b'. which forward values the backward keeps, as a covering MILP over the steps
-        #      over the budget (GPT-style LMs at 0.5x-0.7x: cheaper than lp_eviction)
+        # 3c. with a time limit, the 0/1 stage program, solved, as a schedule and a bound
+        #     at once (the captured U-Net at 0.7x: optimal in seconds, where the
+        #     heuristics and the search stop 14 % above the bound; the captured Llama at
+        #     0.3x: its held rounds need most of 10 s, so it comes before the heuristics
+        #     below, which find less there)
+        stage_program()
+        # 3d. which forward values the backward keeps, as a covering MILP over the steps
+        #     over the budget (GPT-style LMs at 0.5x-0.7x: cheaper than lp_eviction)
         if training and extra() and left() > MIN_SLICE and n <= STAGED_MAX_OPS:
             run("cover", "the backward keeps what a covering MILP over the steps over the budget keeps",
                 time_limit=max(0.3, min(COVER_SECONDS, 0.3 * left())))
-        # 3c. exact layer blocks composed over the chain of blocks
+        # 3e. exact layer blocks composed over the chain of blocks
         if training and extra():
             run("block_dp", "each distinct layer block solved exactly, composed by a DP over the chain",
                 time_limit=max(0.3, min(BLOCK_DP_SECONDS if unlimited else 2 * BLOCK_DP_SECONDS, 0.3 * left())),
                 min_repeats=BLOCK_DP_MIN_REPEATS)
-        # 3d. staged recomputation on the reference order (it plans the whole memory
+        # 3f. staged recomputation on the reference order (it plans the whole memory
         #     curve; on ResNet50 at 0.8x it beats eviction)
         if extra() and left() > MIN_SLICE and n <= STAGED_MAX_OPS:
             share = min(STAGED_SECONDS, 0.5 * STAGED_SHARE * left()) if unlimited else 0.5 * STAGED_SHARE * left()
@@ -350,14 +364,7 @@ def solve_auto(graph: ComputeGraph, budget: int, *, time_limit: float | None = N
         #    (also when the time is spent and no heuristic fits, with a short slice each:
         #    the only chance left)
         rescue = best[0] is None
-        # 5a. the 0/1 stage program, solved, as a schedule and a bound at once (the
-        #     captured U-Net at 0.7x: optimal in seconds, where the heuristics and the
-        #     search stop 14 % above the bound)
-        if (training and n <= STAGE_MILP_MAX_OPS and not rescue and use_exact and left() > 1.0 and extra()
-                and not close_enough()):
-            keeps = best[0] is not None and not reorders.get(best[0].method, True)
-            run("stage_milp", "the 0/1 stage program's solution, as a schedule with its proven bound",
-                time_limit=STAGE_MILP_SHARE * left(), enough=enough() if keeps else None)
+        stage_program()  # (where only the searches after 3c found a schedule)
         if n <= EXACT_MAX_OPS and use_bound and not rescue and use_exact and left() > 1.0 and extra():
             # the stage bounds first (a fraction of a second here): the exact methods
             # run only while they leave the gap open
