@@ -219,9 +219,9 @@ def stage_milp(graph: ComputeGraph, budget_bytes: int, *, time_limit: float | No
         ``lower_bound`` is the best bound the programs proved, for every fixed-order
         schedule; ``info["optimal"]`` is True when the schedule costs that bound;
         ``info["rounds"]`` says, per round, how many boundaries its program had, the
-        bound it proved (None: nothing in its time), the cost of its sequence where that
-        fitted the budget as it was, its peak, and the seconds of the program and the
-        simulation.
+        bound it proved (None: nothing in its time, or a held round), the cost of its
+        sequence where that fitted the budget as it was, its peak, the seconds of the
+        program and the simulation, and whether it was held.
 
     Raises
     ------
