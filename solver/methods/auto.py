@@ -61,7 +61,7 @@ __all__ = ["solve_auto", "drop_recomputations", "EXACT_MAX_OPS", "CHAIN_DP_MAX_O
            "BOUND_LIMITED_MAX_OPS", "SMALL_OPS", "GAP_TOLERANCE", "LP_BOUND_SECONDS",
            "LP_EVICTION_SECONDS", "EARLY_BOUND_SHARE", "MILP_BOUND_SHARE", "EARLY_MILP_SECONDS", "BLOCK_DP_SECONDS",
            "BLOCK_DP_MIN_REPEATS", "DROP_SECONDS", "STAGED_SHARE", "STAGED_SECONDS", "STAGED_MAX_OPS", "COVER_SECONDS", "LNS_SHARE", "LNS_SECONDS",
-           "STAGE_MILP_MAX_OPS", "STAGE_MILP_SHARE", "LNS_STARTS"]
+           "STAGE_MILP_MAX_OPS", "STAGE_MILP_SHARE", "STAGE_MILP_MORE_SHARE", "LNS_STARTS"]
 
 log = logging.getLogger(__name__)
 
@@ -121,8 +121,13 @@ LNS_SECONDS = 1.0
 #: Training graphs with at most this many ops get ``stage_milp`` when a time limit is
 #: given (its programs grow with the steps over the budget).
 STAGE_MILP_MAX_OPS = 1000
-#: Share of the time left for ``stage_milp``.
+#: Share of the time left for ``stage_milp``, and the share it may take while its held
+#: rounds close in on the budget (its ``soft_limit`` and ``time_limit``: on captures of
+#: the Llama at 0.3x with 10 s, its plan fitted and was proven within 2 % in 12 runs of
+#: 12 with 90 %, in 6 of 12 with 70 %, where giving every graph 90 % cost HF GPT-2 at
+#: 0.5x its ``cover`` schedule).
 STAGE_MILP_SHARE = 0.7
+STAGE_MILP_MORE_SHARE = 0.9
 #: Staged recomputation plans on a stage-by-value table: graphs up to this many ops.
 STAGED_MAX_OPS = 3000
 
@@ -295,7 +300,8 @@ def solve_auto(graph: ComputeGraph, budget: int, *, time_limit: float | None = N
                 and use_exact and left() > 1.0 and extra() and not close_enough()):
             keeps = not reorders.get(best[0].method, True)
             run("stage_milp", "the 0/1 stage program's solution, as a schedule with its proven bound",
-                time_limit=STAGE_MILP_SHARE * left(), enough=enough() if keeps else None)
+                time_limit=STAGE_MILP_MORE_SHARE * left(), soft_limit=STAGE_MILP_SHARE * left(),
+                enough=enough() if keeps else None)
 
     base = graph.total("time")
     ref_peak = order_peak(ix, range(n))

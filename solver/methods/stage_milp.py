@@ -33,7 +33,11 @@ second or two, and one boundary goes to each run of steps over the budget. Held
 rounds prove nothing; once their plan fits, the whole program at their boundaries,
 started from that plan, proves what it can in the time left. On that Llama, this gives
 +18.25 % proven within 0.2 % in 10 s, where the whole rounds found no schedule in 10 s
-and took 140 s to reach the same one.
+and took 140 s to reach the same one. With held rounds, the first round's program gets
+:data:`FIRST_SHARE` of the time (SCIP took 1.1-7.2 s on it over captures of that Llama,
+and past 5 s the held rounds had no time left), and a held plan that goes over the budget
+less than those before it is repaired at once, briefly. A ``soft_limit`` lets a caller
+give the rounds more time only while they close in on the budget.
 """
 
 from __future__ import annotations
@@ -51,7 +55,7 @@ from solver.schedule import Schedule
 from solver.simulate import simulate
 
 __all__ = ["stage_milp", "sequence_from_stages", "FIRST_BOUNDARIES", "MORE_BOUNDARIES", "ROUNDS", "SMALL_OPS",
-           "HELD_SHARE", "HELD_SECONDS", "HELD_OVER"]
+           "HELD_SHARE", "HELD_SECONDS", "HELD_OVER", "FIRST_SHARE", "REPAIR_SHARE", "NEAR_OVER"]
 
 #: Boundaries of the first round (the steps most over the budget), and at most added by
 #: each later one: on graphs up to :data:`SMALL_OPS` ops, and on larger ones (where
@@ -71,6 +75,19 @@ HELD_SECONDS = 2.0
 #: seconds from the third on; HF GPT-2 at 0.5x starts at 1.13x, and its whole program's
 #: rounds prove more than held rounds find).
 HELD_OVER = 1.25
+#: On graphs past :data:`SMALL_OPS` ops, the first round's share of the time (its
+#: program, at the step most over the budget, took 1.1-7.2 s on captures of the Llama
+#: at 0.3x, by the order SCIP met its variables in; the held rounds after it need 4-6 s).
+FIRST_SHARE = 0.35
+#: While rounds are held, the share of the time left for repairing a plan that goes
+#: over the budget less than those before it (staged relief fails within tens of
+#: milliseconds on the captured Llama at 0.3x, where a reserve kept for it at the end
+#: took the time that the last held round needed).
+REPAIR_SHARE = 0.1
+#: Past ``soft_limit``, held rounds go on while their last plan peaks within this times
+#: the budget (on captures of the Llama at 0.3x the second held round's plan peaks at
+#: 1.07-1.10x and the third fits; on HF GPT-2 at 0.3x they stay at 1.09-1.18x for minutes).
+NEAR_OVER = 1.1
 
 
 def sequence_from_stages(graph: ComputeGraph, boundaries: Sequence[Hashable],
@@ -184,7 +201,8 @@ def _repaired(graph: ComputeGraph, ix: IndexedGraph, sequence: list, budget: int
 @register("stage_milp", family="exact", order="fixed")
 def stage_milp(graph: ComputeGraph, budget_bytes: int, *, time_limit: float | None = None,
                first: int | None = None, more: int | None = None, rounds: int = ROUNDS,
-               enough: float | None = None, hold_rounds: bool | None = None, **_) -> Schedule:
+               enough: float | None = None, hold_rounds: bool | None = None,
+               soft_limit: float | None = None, **_) -> Schedule:
     """The 0/1 stage program at the steps over the budget, solved, as a schedule, with
     boundaries added where its sequence goes over the budget (see the module).
 
@@ -210,7 +228,16 @@ def stage_milp(graph: ComputeGraph, budget_bytes: int, *, time_limit: float | No
         faster, and it proves nothing), for at most
         :data:`HELD_SHARE` of the time left (at least :data:`HELD_SECONDS`); where
         its plan fits, the whole program at those boundaries, started from that plan,
-        gets the time left. Default: on graphs of more than :data:`SMALL_OPS` ops.
+        gets the time left. With held rounds, the first round's program gets
+        :data:`FIRST_SHARE` of the time (and the same program the time left, where it
+        gave no solution in it), and a held plan over the budget by less than those
+        before it is repaired for :data:`REPAIR_SHARE` of the time left. Default: on
+        graphs of more than :data:`SMALL_OPS` ops.
+    soft_limit : float, optional
+        Seconds after which no round starts, except a held one whose last plan peaked
+        within :data:`NEAR_OVER` times the budget and the whole program after a held
+        plan that fits: those may go on to ``time_limit``. Whole rounds before them get
+        at most the time left to ``soft_limit``. Default: ``time_limit``.
 
     Returns
     -------
@@ -242,6 +269,7 @@ def stage_milp(graph: ComputeGraph, budget_bytes: int, *, time_limit: float | No
 
     limit = 10.0 if time_limit is None else float(time_limit)
     deadline = Deadline(limit)
+    soft = Deadline(limit if soft_limit is None else min(limit, float(soft_limit)))
     ix = IndexedGraph.of(graph)
     ops, index, size, last_read = _reference(graph)
     base = graph.total("time")
@@ -257,7 +285,7 @@ def stage_milp(graph: ComputeGraph, budget_bytes: int, *, time_limit: float | No
     marks = sorted(over[:max(1, first)])
     bound, best, best_cost = base, None, math.inf
     history = []
-    last = None
+    closest = math.inf  # the lowest peak of a held round's plan so far
 
     def _repair_into(seq: list, share: float = 0.3) -> None:
         nonlocal best, best_cost
@@ -269,16 +297,31 @@ def stage_milp(graph: ComputeGraph, budget_bytes: int, *, time_limit: float | No
 
     held = None  # the intervals that a held round keeps as the last solution had them
     hint = None  # a held round's solution that fitted: the start of the last round
+    capped = hold_rounds  # the first round's program gets FIRST_SHARE of the time
+    last_peak = math.inf  # the peak of the last round's plan
     for round_ in range(max(1, rounds)):
-        if deadline.expired():
+        closing_in = hint is not None or (held is not None and last_peak <= NEAR_OVER * budget_bytes)
+        if deadline.expired() or (round_ > 0 and soft.expired() and not closing_in):
             break
         solution: dict = {}
         started = _time.perf_counter()
-        seconds = deadline.left() if held is None else min(deadline.left(),
-                                                           max(HELD_SECONDS, HELD_SHARE * deadline.left()))
+        if held is not None:
+            seconds = min(deadline.left(), max(HELD_SECONDS, HELD_SHARE * deadline.left()))
+        elif hint is not None:
+            seconds = deadline.left()
+        else:
+            seconds = FIRST_SHARE * soft.left() if capped else soft.left()
         lb = stage_lp_bound(graph, budget_bytes, boundaries=[ops[t] for t in marks], integral=True,
                             time_limit=max(0.05, seconds), solution=solution, hold=held, hint=hint)
         hint = None
+        if capped:
+            capped = False
+            if not solution and (lb is None or not math.isinf(lb)):
+                # no solution in the first round's share: the same program, with the time left
+                bound = max(bound, lb or bound)
+                history.append({"boundaries": len(marks), "bound": lb, "cost": None, "peak": None,
+                                "seconds": _time.perf_counter() - started, "held": False})
+                continue
         if held is not None and (lb is None or math.isinf(lb) or not solution):
             # nothing that holds those intervals, in its time: the whole program instead
             history.append({"boundaries": len(marks), "bound": None, "cost": None, "peak": None,
@@ -297,6 +340,7 @@ def stage_milp(graph: ComputeGraph, budget_bytes: int, *, time_limit: float | No
         seq = sequence_from_stages(graph, solution["boundaries"], solution["redo"])
         r = simulate(graph, seq)
         fits = r.valid and r.peak_bytes <= budget_bytes
+        last_peak = r.peak_bytes if r.valid else math.inf
         history.append({"boundaries": len(marks), "bound": lb if held is None else None,
                         "cost": r.cost if fits else None, "peak": r.peak_bytes,
                         "seconds": _time.perf_counter() - started, "held": held is not None})
@@ -306,10 +350,11 @@ def stage_milp(graph: ComputeGraph, budget_bytes: int, *, time_limit: float | No
         # each; hold from now on
         holding = hold_rounds and not fits and (held is not None or r.peak_bytes > HELD_OVER * budget_bytes)
         if not fits and r.valid:
-            if holding:
-                last = seq  # repaired at the end, if no held round's plan fits
-            else:
+            if not holding:
                 _repair_into(seq)
+            elif r.peak_bytes < closest:
+                closest = r.peak_bytes  # the closest to the budget so far: repaired, briefly
+                _repair_into(seq, share=REPAIR_SHARE)
         if (best is not None and _closed(best_cost, bound, base)) or (enough is not None and bound >= enough):
             break
         if fits and held is not None:
@@ -351,8 +396,6 @@ def stage_milp(graph: ComputeGraph, budget_bytes: int, *, time_limit: float | No
         # place leave the others over for another round
         pool = region.values() if holding else new
         marks = sorted(set(marks) | set(sorted(pool, key=lambda t: -new[t])[:max(1, more)]))
-    if best is None and last is not None:
-        _repair_into(last, share=1.0)  # (in what is left of the time)
     if best is None:
         raise NoScheduleFound(f"stage_milp found no schedule of {graph.name or 'the graph'} within {budget_bytes} B "
                               f"in {limit:g} s ({len(history)} rounds); give a longer time_limit",

@@ -202,3 +202,54 @@ def test_held_rounds_reach_the_optimum_the_whole_rounds_prove():
     whole = stage_milp(g, budget, time_limit=60)
     assert s.info["optimal"] and whole.info["optimal"]
     assert r.cost == pytest.approx(solver.simulate(g, whole).cost, rel=1e-6)
+
+
+def test_past_the_soft_limit_only_held_rounds_closing_in_go_on(monkeypatch):
+    # a graph whose rounds are held from the second on: with its soft limit spent at
+    # once, the first round's plan (1.29x the budget) is too far over for more rounds;
+    # where every plan counts as closing in, the rounds go on as without a soft limit
+    import importlib
+
+    from solver.synthetic import random_training_graph
+
+    module = importlib.import_module("solver.methods.stage_milp")  # (solver.methods is a function)
+    g = random_training_graph(24, seed=3)
+    budget = budget_between(g, 0.35)
+    kw = dict(time_limit=60, hold_rounds=True, first=1, more=2)
+    free = stage_milp(g, budget, **kw)
+    peaks = [r["peak"] for r in free.info["rounds"]]
+    assert len(peaks) >= 3 and free.info["rounds"][1]["held"]
+    assert peaks[0] > module.NEAR_OVER * budget
+    at_once = stage_milp(g, budget, soft_limit=0.0, **kw)
+    assert len(at_once.info["rounds"]) == 1
+    monkeypatch.setattr(module, "NEAR_OVER", max(peaks) / budget + 0.01)
+    on = stage_milp(g, budget, soft_limit=0.0, **kw)
+    assert [r["peak"] for r in on.info["rounds"]] == peaks
+
+
+def test_the_first_of_held_rounds_gets_its_share_and_runs_again_without_a_solution(monkeypatch):
+    # the first program of held rounds gets FIRST_SHARE of the time; where it gives no
+    # solution in it, the same program runs again with the time left, and its bound counts
+    import solver.bounds as bounds
+    from solver.methods.stage_milp import FIRST_SHARE
+    from solver.synthetic import random_training_graph
+
+    calls = []
+    real = bounds.stage_lp_bound
+
+    def first_without_a_solution(*args, **kw):
+        calls.append((list(kw["boundaries"]), kw["time_limit"]))
+        if len(calls) == 1:
+            kw = {**kw, "solution": {}}  # as if the program gave none in its time
+        return real(*args, **kw)
+
+    monkeypatch.setattr(bounds, "stage_lp_bound", first_without_a_solution)
+    g = random_training_graph(24, seed=3)
+    budget = budget_between(g, 0.35)
+    s = stage_milp(g, budget, time_limit=20, hold_rounds=True, first=1, more=2)
+    assert FIRST_SHARE * 20 - 1.0 <= calls[0][1] <= FIRST_SHARE * 20
+    assert calls[1][0] == calls[0][0] and calls[1][1] > calls[0][1]
+    rounds = s.info["rounds"]
+    assert rounds[0]["cost"] is None and rounds[0]["peak"] is None and rounds[0]["bound"] > g.total("time")
+    assert rounds[1]["boundaries"] == rounds[0]["boundaries"] and rounds[1]["peak"] is not None
+    _check(g, budget, s)
