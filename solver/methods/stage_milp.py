@@ -35,8 +35,8 @@ started from that plan, proves what it can in the time left. On that Llama, this
 +18.25 % proven within 0.2 % in 10 s, where the whole rounds found no schedule in 10 s
 and took 140 s to reach the same one. With held rounds, the first round's program gets
 :data:`FIRST_SHARE` of the time (SCIP took 1.1-7.2 s on it over captures of that Llama,
-and past 5 s the held rounds had no time left), and a held plan that goes over the budget
-less than those before it is repaired at once, briefly. A ``soft_limit`` lets a caller
+and where it took 6-7 s the held rounds had no time left), and while rounds are held, a
+plan that goes over the budget less than those before it is repaired at once, briefly. A ``soft_limit`` lets a caller
 give the rounds more time only while they close in on the budget.
 """
 
@@ -230,8 +230,8 @@ def stage_milp(graph: ComputeGraph, budget_bytes: int, *, time_limit: float | No
         its plan fits, the whole program at those boundaries, started from that plan,
         gets the time left. With held rounds, the first round's program gets
         :data:`FIRST_SHARE` of the time (and the same program the time left, where it
-        gave no solution in it), and a held plan over the budget by less than those
-        before it is repaired for :data:`REPAIR_SHARE` of the time left. Default: on
+        gave no solution in it), and while rounds are held, a plan over the budget by
+        less than those before it is repaired for :data:`REPAIR_SHARE` of the time left. Default: on
         graphs of more than :data:`SMALL_OPS` ops.
     soft_limit : float, optional
         Seconds after which no round starts, except a held one whose last plan peaked
@@ -314,18 +314,15 @@ def stage_milp(graph: ComputeGraph, budget_bytes: int, *, time_limit: float | No
         lb = stage_lp_bound(graph, budget_bytes, boundaries=[ops[t] for t in marks], integral=True,
                             time_limit=max(0.05, seconds), solution=solution, hold=held, hint=hint)
         hint = None
-        if capped:
-            capped = False
-            if not solution and (lb is None or not math.isinf(lb)):
-                # no solution in the first round's share: the same program, with the time left
-                bound = max(bound, lb or bound)
-                history.append({"boundaries": len(marks), "bound": lb, "cost": None, "peak": None,
-                                "seconds": _time.perf_counter() - started, "held": False})
-                continue
+        first_capped, capped = capped, False
+
+        def record(bound_: float | None, cost: float | None, peak: int | None) -> None:
+            history.append({"boundaries": len(marks), "bound": bound_, "cost": cost, "peak": peak,
+                            "seconds": _time.perf_counter() - started, "held": held is not None})
+
         if held is not None and (lb is None or math.isinf(lb) or not solution):
             # nothing that holds those intervals, in its time: the whole program instead
-            history.append({"boundaries": len(marks), "bound": None, "cost": None, "peak": None,
-                            "seconds": _time.perf_counter() - started, "held": True})
+            record(None, None, None)
             held = None
             continue
         if held is None and lb is not None:
@@ -334,16 +331,15 @@ def stage_milp(graph: ComputeGraph, budget_bytes: int, *, time_limit: float | No
             raise NoScheduleFound(f"stage_milp: no fixed-order schedule of {graph.name or 'the graph'} fits "
                                   f"{budget_bytes} B (the stage program is infeasible)")
         if not solution:
-            history.append({"boundaries": len(marks), "bound": lb, "cost": None, "peak": None,
-                            "seconds": _time.perf_counter() - started, "held": False})
+            record(lb, None, None)
+            if first_capped:
+                continue  # none in the first round's share: the same program, with the time left
             break
         seq = sequence_from_stages(graph, solution["boundaries"], solution["redo"])
         r = simulate(graph, seq)
         fits = r.valid and r.peak_bytes <= budget_bytes
         last_peak = r.peak_bytes if r.valid else math.inf
-        history.append({"boundaries": len(marks), "bound": lb if held is None else None,
-                        "cost": r.cost if fits else None, "peak": r.peak_bytes,
-                        "seconds": _time.perf_counter() - started, "held": held is not None})
+        record(lb if held is None else None, r.cost if fits else None, r.peak_bytes)
         if fits and r.cost < best_cost:
             best, best_cost = seq, r.cost
         # far over the budget: many rounds to go, and the whole program grows slow with

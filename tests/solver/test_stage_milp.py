@@ -212,7 +212,15 @@ def test_past_the_soft_limit_only_held_rounds_closing_in_go_on(monkeypatch):
 
     from solver.synthetic import random_training_graph
 
+    import solver.bounds as bounds
+
     module = importlib.import_module("solver.methods.stage_milp")  # (solver.methods is a function)
+    real = bounds.stage_lp_bound
+
+    def unhurried(*args, **kw):  # every program solved, whatever time is left: which rounds start is the point
+        return real(*args, **{**kw, "time_limit": max(kw["time_limit"], 30.0)})
+
+    monkeypatch.setattr(bounds, "stage_lp_bound", unhurried)
     g = random_training_graph(24, seed=3)
     budget = budget_between(g, 0.35)
     kw = dict(time_limit=60, hold_rounds=True, first=1, more=2)
