@@ -37,7 +37,7 @@ import time as _time
 from graphs import ComputeGraph
 
 __all__ = ["forced_recompute_bound", "stage_lp_bound", "fixed_order_bound", "worst_step", "free_order_bound",
-           "free_stage_lp_bound", "STAGES", "TRIES", "FREE_TRIES"]
+           "free_stage_lp_bound", "relaxed_peak_bound", "STAGES", "TRIES", "FREE_TRIES", "PROBE_SECONDS"]
 
 
 def _least_time(d: dict) -> float:
@@ -836,7 +836,8 @@ def free_stage_lp_bound(graph: ComputeGraph, budget_bytes: int, *, boundaries: l
 
 
 def free_order_bound(graph: ComputeGraph, budget_bytes: int, *, tries: int = FREE_TRIES,
-                     time_limit: float | None = None, enough: float | None = None) -> float:
+                     time_limit: float | None = None, enough: float | None = None,
+                     _facts: "_Ancestry | None" = None) -> float:
     """The best lower bound valid for any order found in the time:
     :func:`free_stage_lp_bound` at the single ops where the values that must be live or
     computed again exceed the budget the most, then along a chain of them, then the 0/1
@@ -876,7 +877,7 @@ def free_order_bound(graph: ComputeGraph, budget_bytes: int, *, tries: int = FRE
 
     deadline = Deadline(time_limit)
     base = float(graph.total("time"))
-    facts = _Ancestry(graph)
+    facts = _Ancestry(graph) if _facts is None else _facts
     ops, index, size = facts.ops, facts.index, facts.size
     if not ops or tries <= 0:
         return base
@@ -913,3 +914,65 @@ def free_order_bound(graph: ComputeGraph, budget_bytes: int, *, tries: int = FRE
     best = _best_of(bound_at, picks, base, base, deadline, time_limit, enough, arrange=chain, together=True,
                     every=[t for _, t in scored[:EVERY]])
     return best
+
+
+#: Seconds of one probe of :func:`relaxed_peak_bound` (a budget the relaxation rules out
+#: is mostly ruled out within 0.1 s on captured 4-layer transformers; one it allows
+#: takes the whole probe).
+PROBE_SECONDS = 0.5
+
+
+def relaxed_peak_bound(graph: ComputeGraph, *, lower: int, upper: int, first: int | None = None,
+                       time_limit: float = 1.0) -> int:
+    """A peak no schedule goes below, raised from ``lower`` where the order-free stage
+    relaxation (:func:`free_order_bound`) proves budgets infeasible.
+
+    A budget at which the relaxation has no solution fits no schedule in any order, so
+    every schedule peaks above it. Bisection between ``lower`` (no schedule peaks below
+    it) and ``upper`` (a peak that a schedule reaches), to 0.5 % of ``upper``; a probe
+    that runs out of its :data:`PROBE_SECONDS` proves nothing.
+
+    Parameters
+    ----------
+    graph : ComputeGraph
+    lower : int
+        A proven lower bound on the peak, fixed bytes included
+        (:func:`solver.feasibility.peak_lower_bound`).
+    upper : int
+        A peak that some schedule reaches.
+    first : int, optional
+        The budget to probe first (one a caller asks about).
+    time_limit : float
+        Seconds in all.
+
+    Returns
+    -------
+    int
+        At least ``lower``, at most ``upper``: no schedule peaks below it.
+
+    Examples
+    --------
+    >>> from solver.synthetic import training_chain
+    >>> from solver.feasibility import peak_lower_bound
+    >>> g = training_chain(4)
+    >>> lb = peak_lower_bound(g)[0]
+    >>> lb <= relaxed_peak_bound(g, lower=lb, upper=6) <= 6
+    True
+    """
+    from solver.deadline import Deadline
+
+    deadline = Deadline(time_limit)
+    lo, hi = int(lower), max(int(lower), int(upper))  # every peak is >= lo; hi is not ruled out
+    if hi <= lo or not graph.ops:
+        return lo
+    facts = _Ancestry(graph)
+    probe = first if first is not None and lo <= first < hi else (lo + hi) // 2
+    while hi - lo > max(1, hi // 200) and deadline.left() > 0.05:
+        seconds = min(PROBE_SECONDS, deadline.left())
+        ruled_out = math.isinf(free_order_bound(graph, probe, time_limit=seconds, enough=math.inf, _facts=facts))
+        if ruled_out:
+            lo = probe + 1  # no schedule peaks at or below the probe
+        else:
+            hi = probe  # not ruled out: the bound stays below it
+        probe = (lo + hi) // 2
+    return lo

@@ -65,7 +65,8 @@ class InfeasibleBudget(RematError, ValueError):
         if self.proven or self.budget_bytes < self.lower_bound_bytes:
             msg = (
                 f"budget {format_bytes(self.budget_bytes)} ({self.budget_bytes} B) is infeasible: "
-                f"the smallest feasible {what} is {format_bytes(self.smallest_feasible_bytes)} "
+                f"the smallest feasible {what}{'' if self.proven else ' found'} is "
+                f"{format_bytes(self.smallest_feasible_bytes)} "
                 f"({self.smallest_feasible_bytes} B)"
             )
         else:

@@ -104,34 +104,52 @@ def solve(
         schedule.method = schedule.method or method
     except NoScheduleFound as exc:
         left = None if time_limit is None else t0 + float(time_limit) - time.perf_counter()
-        raise _not_reached(graph, budget, exc, left) from None
+        # (the relaxation's proof counts recomputation only: not for a method that offloads)
+        raise _not_reached(graph, budget, exc, left, prove=info.family != "offload") from None
     elapsed = time.perf_counter() - t0
     return grade(graph, schedule, budget, solve_seconds=elapsed)
 
 
 #: Seconds the figures of a failure may take at most (the search stops early with the best).
 FIGURES_SECONDS = 0.8
+#: Seconds at most for proving the peak's lower bound higher where the search stops
+#: above the budget (:func:`solver.bounds.relaxed_peak_bound`).
+PROOF_SECONDS = 1.0
 #: Below this many seconds left, a failure is raised without looking for figures.
 FIGURES_MIN_SECONDS = 0.05
 
 
-def _not_reached(graph: ComputeGraph, budget: int, exc: NoScheduleFound, left: float | None) -> NoScheduleFound:
+def _not_reached(graph: ComputeGraph, budget: int, exc: NoScheduleFound, left: float | None, *,
+                 prove: bool = True) -> NoScheduleFound:
     """The error for a method that found nothing: an :class:`InfeasibleBudget` (below the
     proven bound) or :class:`BudgetNotReached` naming the least peak that a schedule is
     known to reach -- the method's own ``best_peak`` or the low-memory search's, whichever
-    is less -- searched for in the time that is ``left`` (seconds; None: no limit)."""
+    is less -- searched for in the time that is ``left`` (seconds; None: no limit). With
+    ``prove``, a budget between the bounds is tried against the order-free stage
+    relaxation (:func:`solver.bounds.relaxed_peak_bound`), which may raise the proven bound."""
     if isinstance(exc, InfeasibleBudget):
         return exc
     if left is not None and left < FIGURES_MIN_SECONDS:
         return exc
     from solver.methods.minpeak import smallest_feasible_peak
 
+    t0 = time.perf_counter()
     seconds = FIGURES_SECONDS if left is None else min(FIGURES_SECONDS, left)
     found, lb, culprit = smallest_feasible_peak(graph, time_limit=seconds)
     if exc.best_peak is not None and lb <= exc.best_peak < found:
         found = int(exc.best_peak)
     if budget >= found:
         return exc  # a schedule within the budget exists: the method's own failure
+    if prove and budget >= lb:
+        # between the bounds: the order-free stage relaxation may prove the budget (and
+        # more) infeasible
+        from solver.bounds import relaxed_peak_bound
+
+        rest = PROOF_SECONDS if left is None else min(PROOF_SECONDS, left - (time.perf_counter() - t0))
+        if rest > FIGURES_MIN_SECONDS:
+            raised = relaxed_peak_bound(graph, lower=lb, upper=found, first=budget, time_limit=rest)
+            if raised > lb:
+                lb, culprit = raised, None  # (no single op forces it)
     name = (graph[culprit].get("name") or graph[culprit].get("op")) if culprit is not None else None
     cls = InfeasibleBudget if budget < lb else BudgetNotReached
     return cls(budget, found, lower_bound_bytes=lb, culprit=culprit,
