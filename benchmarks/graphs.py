@@ -104,8 +104,7 @@ def run(graphs_dir: pathlib.Path, *, time_limit: float, only: str | None, method
                                fixed_order_lower_bound=s.info.get("fixed_order_lower_bound"),
                                first_schedule_s=s.info.get("auto", {}).get("winner_seconds"))
                 except InfeasibleBudget as exc:
-                    row.update(status="infeasible", smallest_feasible=exc.smallest_feasible_bytes / topo,
-                               message=str(exc)[:300])
+                    row.update(_failure(exc, topo))
                 except NoScheduleFound as exc:
                     row.update(status="no schedule", message=str(exc)[:300])
                 except Exception as exc:  # a method still being written must not stop the table
@@ -164,8 +163,7 @@ def run_zoo(*, time_limit: float, only: str | None, method_names: list[str] | No
                                lower_bound=s.lower_bound, gap=s.gap, picked=s.method,
                                bound_scope=s.info.get("bound_scope"))
                 except InfeasibleBudget as exc:
-                    row.update(status="infeasible", smallest_feasible=exc.smallest_feasible_bytes / topo,
-                               message=str(exc)[:300])
+                    row.update(_failure(exc, topo))
                 except NoScheduleFound as exc:
                     row.update(status="no schedule", message=str(exc)[:300])
                 row["seconds"] = time.perf_counter() - t0
@@ -174,12 +172,30 @@ def run_zoo(*, time_limit: float, only: str | None, method_names: list[str] | No
     return rows
 
 
+def _failure(exc: InfeasibleBudget, topo: int) -> dict:
+    """A row's figures for a budget that no schedule reached: "infeasible" where the
+    budget is below the proven lower bound on the peak, "not reached" where it lies
+    between that bound and the smallest peak reached (both as fractions of ``topo``)."""
+    proven = exc.budget_bytes < exc.lower_bound_bytes
+    return dict(status="infeasible" if proven else "not reached",
+                smallest_feasible=exc.smallest_feasible_bytes / topo,
+                peak_lower_bound=exc.lower_bound_bytes / topo, message=str(exc)[:300])
+
+
+def _failed(r: dict) -> str:
+    """How a row without a schedule reads in the tables."""
+    reached = f"{r['smallest_feasible']:.3f}x reached"
+    if r["status"] == "infeasible":
+        return f"infeasible (< {r['peak_lower_bound']:.3f}x; {reached})"
+    return f"not reached ({reached}; ≥ {r['peak_lower_bound']:.3f}x)"
+
+
 def _line(r: dict) -> str:
     if r["status"] == "ok":
         gap = "—" if r.get("gap") is None else f"{100 * r['gap']:.1f} %"
         what = f"+{r['extra_pct']:.3f} %  peak/budget {r['peak_over_budget']:.3f}  gap {gap}"
-    elif r["status"] == "infeasible":
-        what = f"infeasible (smallest {r['smallest_feasible']:.3f}x topo)"
+    elif "smallest_feasible" in r:
+        what = _failed(r) + " of topo"
     else:
         what = r["status"] + ": " + r.get("message", "")[:60]
     return (f"{r['graph'][:28]:<28} {r['fraction']:.1f}x {r['method']:<15} {r['order']:<5} "
@@ -195,8 +211,8 @@ def markdown(rows: list[dict]) -> str:
             extra = f"+{r['extra_pct']:.3f} %"
             pb = f"{r['peak_over_budget']:.3f}"
             gap = "—" if r.get("gap") is None else f"{100 * r['gap']:.1f} %"
-        elif r["status"] == "infeasible":
-            extra, pb, gap = f"infeasible (≥ {r['smallest_feasible']:.3f}x)", "—", "—"
+        elif "smallest_feasible" in r:
+            extra, pb, gap = _failed(r), "—", "—"
         else:
             extra, pb, gap = r["status"], "—", "—"
         method = r["method"] if r["method"] != "auto" or "picked" not in r else r["picked"]
