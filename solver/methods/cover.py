@@ -28,6 +28,7 @@ recomputations the budget does not need removed.
 
 from __future__ import annotations
 
+import bisect
 import logging
 import time
 from typing import Hashable
@@ -38,12 +39,15 @@ from solver.indexed import IndexedGraph, peak_profile
 from solver.registry import register
 from solver.schedule import Schedule
 
-__all__ = ["cover", "cover_keep", "relieved_from_keep", "MARGINS", "MAX_CLOSURE"]
+__all__ = ["cover", "cover_keep", "relieved_from_keep", "MARGINS", "MAX_CLOSURE", "KEEP_SHARE"]
 
 log = logging.getLogger(__name__)
 
 #: The margins :func:`cover` tries, of the budget left below it for recomputations.
 MARGINS = (0.0, 0.01, 0.02, 0.05)
+#: With a time limit, the share of the time left that the MILP of one margin may take
+#: (the relief after it takes the rest: a second on a captured 32-layer Llama).
+KEEP_SHARE = 0.7
 #: A closure may hold at most this many ops (past it the value is not a candidate).
 MAX_CLOSURE = 64
 
@@ -111,8 +115,9 @@ def cover_keep(graph: ComputeGraph, budget_bytes: int, *, margin: float = 0.0, t
     >>> r = simulate(g, sequence_from_keep(g, keep)); r.valid, r.peak_bytes <= 7
     (True, True)
     """
-    from solver.lp_backend import create_solver, solve_quietly
+    from solver.deadline import Deadline, OutOfTime
 
+    deadline = Deadline(time_limit)
     ix = ix or IndexedGraph.of(graph)
     n = ix.n
     nodes = graph.nx.nodes
@@ -123,6 +128,7 @@ def cover_keep(graph: ComputeGraph, budget_bytes: int, *, margin: float = 0.0, t
     saved = {v for v in range(n) if forward[v] and any(not forward[s] for s in ix.succs[v])}
     if not over:
         return {ix.ids[v] for v in saved}
+    steps = sorted(over)
     last = [n if ix.output[v] else max(ix.succs[v], default=v) for v in range(n)]
     gap: dict[int, tuple[int, int]] = {}  # candidate -> (last forward reader, first backward reader)
     for u in range(n):
@@ -133,7 +139,8 @@ def cover_keep(graph: ComputeGraph, budget_bytes: int, *, margin: float = 0.0, t
             continue
         s = min(back)
         p = max((r for r in ix.succs[u] if r < s), default=u)
-        if s - p > 1 and any(p < t < s for t in over):
+        i = bisect.bisect_right(steps, p)
+        if s - p > 1 and i < len(steps) and steps[i] < s:  # a step over the budget in the gap
             gap[u] = (p, s)
 
     def resident(j: int, s: int) -> bool:
@@ -152,9 +159,24 @@ def cover_keep(graph: ComputeGraph, budget_bytes: int, *, margin: float = 0.0, t
                 pulls.setdefault(j, {}).setdefault(s, []).append(u)
     if not closure:
         return {ix.ids[v] for v in saved}
+    try:
+        freed = _cover_program(ix, closure, pulls, gap, over, steps, deadline)
+    except OutOfTime:
+        return None
+    if freed is None:
+        return None
+    log.debug("cover_keep: %d of %d candidates freed", len(freed), len(closure))
+    return {ix.ids[v] for v in saved - freed}
+
+
+def _cover_program(ix: IndexedGraph, closure: dict, pulls: dict, gap: dict, over: dict, steps: list,
+                   deadline) -> set[int] | None:
+    """The covering MILP of :func:`cover_keep`, solved within ``deadline``: the values
+    freed, or None when SCIP found nothing (:class:`~solver.deadline.OutOfTime` while
+    it is built)."""
+    from solver.lp_backend import create_solver, solve_quietly
+
     lp = create_solver("SCIP")
-    if time_limit is not None:
-        lp.SetTimeLimit(max(1, int(1000 * time_limit)))
     x = {u: lp.IntVar(0.0, 1.0, "") for u in closure}
     objective = lp.Objective()
     # the time of each op computed again, once however many closures run it (the copy
@@ -171,17 +193,16 @@ def cover_keep(graph: ComputeGraph, budget_bytes: int, *, margin: float = 0.0, t
             k.SetCoefficient(r, 1.0)
             k.SetCoefficient(x[u], -1.0)
     # the bytes each freed value frees at each step: its gap, cut where a freed value
-    # whose closure reads it computes it again earlier (it stays from there on)
-    covers: dict[int, list] = {}
+    # whose closure reads it computes it again earlier (it stays from there on); a piece
+    # (first step, step after its last, variable, bytes)
+    pieces = []
     for j, var in x.items():
+        deadline.check("building the cover")
         p, s = gap[j]
         pullers = pulls.get(j, {})
-        cuts = sorted(pullers)
         start, prev = p + 1, var
-        for c in cuts + [s]:
-            for t in range(start, c):
-                if t in over:
-                    covers.setdefault(t, []).append((prev, ix.nbytes[j]))
+        for c in sorted(pullers) + [s]:
+            pieces.append((start, c, prev, ix.nbytes[j]))
             if c == s:
                 break
             z = lp.NumVar(0.0, 1.0, "")
@@ -193,22 +214,48 @@ def cover_keep(graph: ComputeGraph, budget_bytes: int, *, margin: float = 0.0, t
                 k2.SetCoefficient(z, 1.0)
                 k2.SetCoefficient(x[u], 1.0)
             start, prev = c, z
+    # the steps over the budget, in runs that the same pieces hold: one constraint per
+    # run, at its most over step (the others' are implied; on a 32-layer capture, where
+    # thousands of steps are over the budget, one per step took tens of seconds to build)
+    spans = []
+    cuts = {0}
+    for start, end, var, nbytes in pieces:
+        a, b = bisect.bisect_left(steps, start), bisect.bisect_left(steps, end)
+        if a < b:
+            spans.append((a, b, var, nbytes))
+            cuts.update((a, b))
+    cuts = sorted(c for c in cuts if c < len(steps))
+    run = {c: i for i, c in enumerate(cuts)}
+    enter: list[list] = [[] for _ in cuts]
+    leave: list[list] = [[] for _ in cuts]
+    for a, b, var, nbytes in spans:
+        enter[run[a]].append((var, nbytes))
+        if b < len(steps):
+            leave[run[b]].append((var, nbytes))
     big = 10.0 * (sum(ix.time) + 1.0)
     scale = 1.0 / max(1.0, max(over.values()))
-    for t, e in over.items():
+    active: dict = {}  # the pieces that hold the run: variable -> bytes
+    for i, c in enumerate(cuts):
+        deadline.check("building the cover")
+        for var, _ in leave[i]:
+            del active[var]
+        active.update(enter[i])
+        end = cuts[i + 1] if i + 1 < len(cuts) else len(steps)
         slack = lp.NumVar(0.0, lp.infinity(), "")
         objective.SetCoefficient(slack, big)
-        k = lp.Constraint(e * scale, lp.infinity())
+        k = lp.Constraint(max(over[t] for t in steps[c:end]) * scale, lp.infinity())
         k.SetCoefficient(slack, 1.0)
-        for var, nbytes in covers.get(t, ()):
+        for var, nbytes in active.items():
             k.SetCoefficient(var, nbytes * scale)
     objective.SetMinimization()
+    deadline.check("building the cover")
+    left = deadline.left()
+    if left != float("inf"):
+        lp.SetTimeLimit(max(1, int(1000 * left)))
     status = solve_quietly(lp)
     if status not in (lp.OPTIMAL, lp.FEASIBLE):
         return None
-    freed = {u for u, var in x.items() if var.solution_value() > 0.5}
-    log.debug("cover_keep: %d of %d candidates freed", len(freed), len(x))
-    return {ix.ids[v] for v in saved - freed}
+    return {u for u, var in x.items() if var.solution_value() > 0.5}
 
 
 def relieved_from_keep(graph: ComputeGraph, keep, budget_bytes: int, *, deadline: float | None = None,
@@ -285,17 +332,22 @@ def cover(graph: ComputeGraph, budget_bytes: int, *, time_limit: float | None = 
     deadline = None if time_limit is None else t0 + time_limit
     ix = IndexedGraph.of(graph)
     best, best_key, info = None, None, {}
-    for margin in margins:
-        if best is not None and deadline is not None and time.perf_counter() > deadline:
-            break
-        left = None if deadline is None else max(0.0, deadline - time.perf_counter())
-        keep = cover_keep(graph, budget_bytes, margin=margin, time_limit=left, ix=ix)
+    longest = 0.0  # seconds of the longest margin so far, its relief included
+    for k, margin in enumerate(margins):
+        started = time.perf_counter()
+        if k and deadline is not None and deadline - started < longest:
+            break  # another margin would not end in time
+        left = None if deadline is None else max(0.0, deadline - started)
+        keep = cover_keep(graph, budget_bytes, margin=margin, time_limit=None if left is None else KEEP_SHARE * left,
+                          ix=ix)
+        longest = max(longest, time.perf_counter() - started)
         if keep is None:
             continue
         ids, _ = relieved_from_keep(graph, keep, budget_bytes, deadline=deadline, ix=ix)
-        if ids is None:
+        key = None if ids is None else (simulate(graph, ids).cost, len(ids))
+        longest = max(longest, time.perf_counter() - started)
+        if key is None:
             continue
-        key = (simulate(graph, ids).cost, len(ids))
         if best_key is None or key < best_key:
             best, best_key, info = ids, key, {"margin": margin}
     if best is None:

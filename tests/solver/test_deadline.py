@@ -161,3 +161,16 @@ def test_budget_not_reached_names_a_peak_that_is_reached():
     for method in ("auto", "eviction"):
         s = solve(g, exc.smallest_feasible_bytes, method=method, time_limit=LIMIT)
         assert s.peak_bytes <= exc.smallest_feasible_bytes
+
+
+def test_cover_keeps_its_time_limit_where_thousands_of_steps_are_over_the_budget():
+    # 2,001 ops, half of them over the budget: one covering constraint per step listed
+    # every gap that holds it, and building that program took 17 s for a limit of 2 s
+    from solver.synthetic import training_chain
+
+    g = training_chain(1000)
+    budget = int(0.5 * simulate(g, g.order).peak_bytes)
+    out, elapsed = _timed(get_method("cover").fn, g, budget, time_limit=LIMIT)
+    assert elapsed <= LIMIT + SLACK, f"cover took {elapsed:.2f} s for a limit of {LIMIT} s"
+    if not isinstance(out, NoScheduleFound):
+        assert simulate(g, out).peak_bytes <= budget
