@@ -42,7 +42,7 @@ from solver.registry import register
 from solver.schedule import Schedule
 from solver.simulate import simulate
 
-__all__ = ["improve_sequence", "lns", "lp_starts", "CANDIDATES", "NOISE", "START_SHARE", "STARTS", "WINDOW"]
+__all__ = ["improve_sequence", "lns", "lp_starts", "CANDIDATES", "NOISE", "START_SHARE", "COVER_SHARE", "STARTS", "WINDOW"]
 
 log = logging.getLogger(__name__)
 
@@ -50,6 +50,9 @@ log = logging.getLogger(__name__)
 WINDOW = 0.02
 #: Share of ``lns``'s time for its starts (past it, a start still runs while none fits).
 START_SHARE = 0.4
+#: Of that, the share ``cover`` may take: the other starts follow (on a 32-layer capture,
+#: ``cover`` takes all the time it is given).
+COVER_SHARE = 0.5
 #: How many of the cheapest starts ``lns`` takes turns on.
 STARTS = 3
 #: How much the repair may scale the candidates' ratios (one drawn per round).
@@ -305,7 +308,7 @@ def lns(graph: ComputeGraph, budget_bytes: int, *, time_limit: float | None = No
 
     if graph.backward_nodes():
         try:
-            s = cover(graph, budget_bytes, time_limit=left())
+            s = cover(graph, budget_bytes, time_limit=COVER_SHARE * left())
             starts.append((simulate(graph, s).cost, "cover", s.sequence))
         except NoScheduleFound:
             pass
