@@ -287,19 +287,29 @@ def stage_milp(graph: ComputeGraph, budget_bytes: int, *, time_limit: float | No
     history = []
     closest = math.inf  # the lowest peak of a held round's plan so far
 
+    repair_seconds = 0.0  # the longest repair so far (its setup runs whatever its share)
+
     def _repair_into(seq: list, share: float = 0.3) -> None:
-        nonlocal best, best_cost
-        fixed = _repaired(graph, ix, seq, budget_bytes, _time.perf_counter() + max(0.0, share * deadline.left()))
+        nonlocal best, best_cost, repair_seconds
+        if deadline.left() < repair_seconds:
+            return  # it would not end in time
+        started = _time.perf_counter()
+        fixed = _repaired(graph, ix, seq, budget_bytes, started + max(0.0, share * deadline.left()))
         if fixed is not None:
             c = simulate(graph, fixed).cost
             if c < best_cost:
                 best, best_cost = fixed, c
+        repair_seconds = max(repair_seconds, _time.perf_counter() - started)
 
     held = None  # the intervals that a held round keeps as the last solution had them
     hint = None  # a held round's solution that fitted: the start of the last round
     capped = hold_rounds  # the first round's program gets FIRST_SHARE of the time
     last_peak = math.inf  # the peak of the last round's plan
+    after = 0.0  # the longest a round took after its program (its sequence simulated, repaired)
+    solved_at = None
     for round_ in range(max(1, rounds)):
+        if solved_at is not None:
+            after = max(after, _time.perf_counter() - solved_at)
         closing_in = hint is not None or (held is not None and last_peak <= NEAR_OVER * budget_bytes)
         if deadline.expired() or (round_ > 0 and soft.expired() and not closing_in):
             break
@@ -311,8 +321,10 @@ def stage_milp(graph: ComputeGraph, budget_bytes: int, *, time_limit: float | No
             seconds = deadline.left()
         else:
             seconds = FIRST_SHARE * soft.left() if capped else soft.left()
+        seconds = min(seconds, deadline.left() - after)  # what follows the program ends in time too
         lb = stage_lp_bound(graph, budget_bytes, boundaries=[ops[t] for t in marks], integral=True,
                             time_limit=max(0.05, seconds), solution=solution, hold=held, hint=hint)
+        solved_at = _time.perf_counter()
         hint = None
         first_capped, capped = capped, False
 
