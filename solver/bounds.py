@@ -88,16 +88,19 @@ def _excess(graph: ComputeGraph, ops: list, index: dict, size: list, last_read: 
     return out
 
 
-def _forced_amounts(graph: ComputeGraph, budget_bytes: int) -> list[float]:
+def _forced_amounts(graph: ComputeGraph, budget_bytes: int, reference: tuple | None = None,
+                    excess: list | None = None) -> list[float]:
     """The extra compute that the argument of :func:`forced_recompute_bound` forces at
     each step of the reference order (0 where the step fits store-all, ``math.inf``
-    where it cannot fit)."""
+    where it cannot fit); ``reference`` and ``excess`` as :func:`_reference` and
+    :func:`_excess` give them, when the caller has them."""
     import numpy as np
 
-    ops, index, size, last_read = _reference(graph)
+    ops, index, size, last_read = reference or _reference(graph)
     nodes = graph.nx.nodes
     room = int(budget_bytes) - graph.fixed_bytes
-    excess = _excess(graph, ops, index, size, last_read, room)
+    if excess is None:
+        excess = _excess(graph, ops, index, size, last_read, room)
     # the values that may go, cheapest per byte first; at each step over the budget the
     # live ones (computed before, read after, not an input) are taken in that order
     free = [i for i, v in enumerate(ops) if nodes[v].get("recomputable", True) and size[i] > 0]
@@ -159,9 +162,13 @@ def forced_recompute_bound(graph: ComputeGraph, budget_bytes: int) -> float:
     >>> forced_recompute_bound(g, 6)
     inf
     """
+    return _forced_bound(graph, _forced_amounts(graph, budget_bytes))
+
+
+def _forced_bound(graph: ComputeGraph, amounts: list[float]) -> float:
+    """:func:`forced_recompute_bound` from :func:`_forced_amounts`."""
     nodes = graph.nx.nodes
     base = float(sum(nodes[v]["time"] for v in graph.order))
-    amounts = _forced_amounts(graph, budget_bytes)
     worst = max(amounts, default=0.0)
     # a hair below, so that float rounding never lifts it above a schedule's cost
     return base + max(0.0, worst * (1 - 1e-9))
@@ -565,12 +572,12 @@ def worst_step(graph: ComputeGraph, budget_bytes: int):
     return ops[max(over, key=lambda t: (excess[t], -t))] if over else None
 
 
-def _candidates(graph: ComputeGraph, budget_bytes: int, ops: list, excess: list) -> list[int]:
+def _candidates(graph: ComputeGraph, ops: list, excess: list, amounts: list[float]) -> list[int]:
     """Steps to try as single boundaries, best first: the steps most over the budget and
-    those where :func:`forced_recompute_bound`'s argument forces the most, by turns (the
-    strongest LP sits at either), one per multi-output op."""
+    those where :func:`forced_recompute_bound`'s argument forces the most
+    (:func:`_forced_amounts`), by turns (the strongest LP sits at either), one per
+    multi-output op."""
     over = _over_budget(graph, ops, excess)
-    amounts = _forced_amounts(graph, budget_bytes)
     forced = sorted(over, key=lambda t: (-amounts[t], t))
     out, seen = [], set()
     for pair in zip(forced, over):
@@ -675,17 +682,18 @@ def fixed_order_bound(graph: ComputeGraph, budget_bytes: int, *, tries: int = TR
     from solver.deadline import Deadline
 
     deadline = Deadline(time_limit)
-    best = forced_recompute_bound(graph, budget_bytes)
+    reference = ops, index, size, last_read = _reference(graph)
+    excess = _excess(graph, ops, index, size, last_read, int(budget_bytes) - graph.fixed_bytes)
+    amounts = _forced_amounts(graph, budget_bytes, reference, excess)
+    best = _forced_bound(graph, amounts)
     if not math.isfinite(best) or tries <= 0:
         return best
-    ops, index, size, last_read = _reference(graph)
-    excess = _excess(graph, ops, index, size, last_read, int(budget_bytes) - graph.fixed_bytes)
 
     def bound_at(marks: list, integral: bool, seconds):
         return stage_lp_bound(graph, budget_bytes, boundaries=[ops[t] for t in marks], time_limit=seconds,
                               integral=integral)
 
-    return _best_of(bound_at, _candidates(graph, budget_bytes, ops, excess)[:tries], graph.total("time"), best,
+    return _best_of(bound_at, _candidates(graph, ops, excess, amounts)[:tries], graph.total("time"), best,
                     deadline, time_limit, enough, every=_over_budget(graph, ops, excess, every=True)[:EVERY])
 
 
