@@ -42,7 +42,8 @@ from solver.registry import register
 from solver.schedule import Schedule
 from solver.simulate import simulate
 
-__all__ = ["improve_sequence", "lns", "lp_starts", "CANDIDATES", "NOISE", "START_SHARE", "COVER_SHARE", "STARTS", "WINDOW"]
+__all__ = ["improve_sequence", "lns", "lp_starts", "CANDIDATES", "NOISE", "START_SHARE", "COVER_SHARE", "STARTS",
+           "WINDOW"]
 
 log = logging.getLogger(__name__)
 
