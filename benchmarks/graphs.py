@@ -11,6 +11,8 @@ CPU), so their figures are this machine's.
 Run: ``python benchmarks/graphs.py [--graphs DIR] [--time-limit S] [--large-time-limit S]
 [--methods a,b] [--only SUBSTR] [--zoo] [--zoo-only] [--zoo-methods a,b]``; writes
 ``benchmarks/results/graphs.json`` and ``graphs.md`` (and ``zoo.json``, ``zoo.md``).
+``--zoo-large`` runs only the 32-layer zoo (HF GPT-2 and Llama, 5,000-7,000 ops) and
+writes ``zoo_large.json`` and ``zoo_large.md``.
 """
 
 from __future__ import annotations
@@ -126,16 +128,24 @@ ZOO = {
 ZOO_FRACTIONS = (0.7, 0.5, 0.3)
 ZOO_METHODS = ("auto", "eviction", "lp_eviction", "cover", "lns", "stage_milp", "hierarchical", "chain_dp", "block_dp",
                "checkmate_milp", "cpsat")
+#: The 32-layer zoo (``--zoo-large``: graphs of 5,000-7,000 ops), and its methods (the
+#: exact ones find nothing at that size in seconds).
+ZOO_LARGE = {
+    "HF GPT-2 32L d64 seq64 b4": ("hf_gpt2", dict(n_layer=32, d=64, n_head=4, seq=64, batch=4)),
+    "Llama 32L d64 seq64 b4": ("hf_llama", dict(n_layer=32, d=64, n_head=4, seq=64, batch=4)),
+}
+ZOO_LARGE_METHODS = ("auto", "eviction", "lp_eviction", "cover", "lns", "stage_milp", "block_dp")
 
 
-def zoo_graphs(only: str | None = None):
-    """Capture each zoo model's training step (yields name, ComputeGraph)."""
+def zoo_graphs(only: str | None = None, zoo: dict | None = None):
+    """Capture each model of ``zoo`` (default :data:`ZOO`) as its training step (yields
+    name, ComputeGraph)."""
     import torch
 
     from examples import models
     from graphs import capture
 
-    for name, (builder, kwargs) in ZOO.items():
+    for name, (builder, kwargs) in (ZOO if zoo is None else zoo).items():
         if only and only not in name:
             continue
         torch.manual_seed(0)
@@ -145,15 +155,17 @@ def zoo_graphs(only: str | None = None):
         yield name, g
 
 
-def run_zoo(*, time_limit: float, only: str | None, method_names: list[str] | None) -> list[dict]:
-    """Every zoo graph at :data:`ZOO_FRACTIONS` of its store-all peak, each method with
-    ``time_limit`` seconds."""
+def run_zoo(*, time_limit: float, only: str | None, method_names: list[str] | None,
+            large: bool = False) -> list[dict]:
+    """Every zoo graph (with ``large``, of :data:`ZOO_LARGE`) at :data:`ZOO_FRACTIONS` of
+    its store-all peak, each method with ``time_limit`` seconds."""
     rows: list[dict] = []
-    for name, g in zoo_graphs(only):
+    default = ZOO_LARGE_METHODS if large else ZOO_METHODS
+    for name, g in zoo_graphs(only, ZOO_LARGE if large else None):
         topo = simulate(g, g.order).peak_bytes
         for frac in ZOO_FRACTIONS:
             budget = int(frac * topo)
-            for method in method_names or ZOO_METHODS:
+            for method in method_names or default:
                 row = {"graph": name, "ops": len(g.ops), "fraction": frac, "budget": budget, "method": method,
                        "order": solver.methods()[method].order, "moccasin": "—"}
                 t0 = time.perf_counter()
@@ -235,6 +247,7 @@ def main() -> None:
     ap.add_argument("--out", type=pathlib.Path, default=ROOT / "results")
     ap.add_argument("--zoo", action="store_true", help="also run the captured zoo")
     ap.add_argument("--zoo-only", action="store_true", help="run only the captured zoo")
+    ap.add_argument("--zoo-large", action="store_true", help="run only the 32-layer zoo (zoo_large.json, .md)")
     ap.add_argument("--zoo-time-limit", type=float, default=10.0, help="seconds per method and zoo cell")
     ap.add_argument("--zoo-methods", default=None, help="comma-separated methods for the zoo "
                     f"(default: {','.join(ZOO_METHODS)})")
@@ -247,6 +260,13 @@ def main() -> None:
         pass
     logging.basicConfig(level=logging.WARNING)
     args.out.mkdir(parents=True, exist_ok=True)
+    if args.zoo_large:
+        zoo = run_zoo(time_limit=args.zoo_time_limit, only=args.only, large=True,
+                      method_names=args.zoo_methods.split(",") if args.zoo_methods else None)
+        (args.out / "zoo_large.json").write_text(json.dumps(zoo, indent=1, default=str))
+        (args.out / "zoo_large.md").write_text(markdown(zoo))
+        print(f"wrote {args.out / 'zoo_large.json'} and {args.out / 'zoo_large.md'}")
+        return
     if args.zoo or args.zoo_only:
         zoo = run_zoo(time_limit=args.zoo_time_limit, only=args.only,
                       method_names=args.zoo_methods.split(",") if args.zoo_methods else None)
