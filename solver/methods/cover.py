@@ -17,7 +17,10 @@ time -- a set-multicover problem, solved as a small MILP (SCIP):
   frees its bytes from ``s(u)`` on only while no such ``u`` is freed (one variable
   per piece of ``j``'s gap, at most ``x_j`` and ``1 - x_u``);
 * at each step ``t`` over the budget by ``e_t`` bytes: the freed pieces that hold ``t``
-  add up to ``e_t`` at least, less a slack charged far above any time.
+  add up to ``e_t`` at least, less a slack charged far above any time. Steps that the
+  same pieces hold form a run, and only its most over step gets a constraint (the
+  others' are implied; a run's shortfall, where the pieces cannot cover it, is charged
+  once).
 
 What the cover leaves out -- the memory of the recomputations themselves, closures that
 change with what is freed -- is left to the staged relief that follows
@@ -215,8 +218,10 @@ def _cover_program(ix: IndexedGraph, closure: dict, pulls: dict, gap: dict, over
                 k2.SetCoefficient(x[u], 1.0)
             start, prev = c, z
     # the steps over the budget, in runs that the same pieces hold: one constraint per
-    # run, at its most over step (the others' are implied; on a 32-layer capture, where
-    # thousands of steps are over the budget, one per step took tens of seconds to build)
+    # run, at its most over step (on a 32-layer capture, where thousands of steps are
+    # over the budget, one per step, each listing every piece that holds it, took tens
+    # of seconds to build; on 120 random training graphs the schedules are those of the
+    # program with one per step, or cheaper)
     spans = []
     cuts = {0}
     for start, end, var, nbytes in pieces:
