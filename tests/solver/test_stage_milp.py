@@ -265,3 +265,39 @@ def test_the_first_of_held_rounds_gets_its_share_and_runs_again_without_a_soluti
     assert rounds[0]["cost"] is None and rounds[0]["peak"] is None and rounds[0]["bound"] > g.total("time")
     assert rounds[1]["boundaries"] == rounds[0]["boundaries"] and rounds[1]["peak"] is not None
     _check(g, budget, s)
+
+
+def test_the_last_round_repairs_its_plan_with_the_time_left(monkeypatch):
+    # a repair leaves time for the rounds after it; the last round's (one round: the
+    # first program's plan, repaired) has none to leave
+    import importlib
+    import time
+
+    from solver.synthetic import random_training_graph
+
+    module = importlib.import_module("solver.methods.stage_milp")
+    real = module._repaired
+    given_s = []
+
+    def timed(graph, ix, sequence, budget, deadline):
+        given_s.append(deadline - time.perf_counter())
+        return real(graph, ix, sequence, budget, deadline)
+
+    monkeypatch.setattr(module, "_repaired", timed)
+    g = random_training_graph(30, seed=10)
+    budget = budget_between(g, 0.5)
+    kw = dict(time_limit=20, hold_rounds=False)
+    try:
+        stage_milp(g, budget, rounds=8, **kw)
+    except NoScheduleFound:
+        pass
+    assert given_s and given_s[0] <= 0.3 * 20  # the first of several rounds: a share
+    given_s.clear()
+    try:
+        one = stage_milp(g, budget, rounds=1, **kw)
+    except NoScheduleFound:
+        one = None
+    assert len(given_s) == 1 and given_s[0] > 0.5 * 20  # the only round: the time left
+    if one is not None:
+        assert len(one.info["rounds"]) == 1
+        _check(g, budget, one)
