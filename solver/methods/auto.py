@@ -3,7 +3,12 @@
 The recipe, cheapest first:
 
 1. store-all, when the reference order fits (no extra compute: optimal);
-2. ``eviction`` on the reference order (fast, near-optimal on training graphs);
+2. ``eviction`` on the reference order (fast, near-optimal on training graphs); with a
+   time limit, on training graphs past :data:`STAGE_MILP_MAX_OPS` ops, one round of
+   ``stage_milp`` (the first program's plan, repaired) with
+   :data:`STAGE_MILP_ONE_SHARE` of the time left: on 32-layer captures of HF GPT-2 and
+   Llama (5,400-6,900 ops) at 0.7-0.3x it finds the best schedule of every method in
+   1-3 s, proven within 0.3-5 %;
 3. ``chain_dp`` on training graphs (optimal for chains of stages), ``lp_eviction``
    (eviction guided by the stage LP's plan, with its unneeded recomputations removed);
    with a time limit, on training graphs up to :data:`STAGE_MILP_MAX_OPS` ops,
@@ -38,7 +43,12 @@ The recipe, cheapest first:
    :func:`solver.methods.lns.improve_sequence`, a large neighbourhood search over the
    winner's recomputations that keeps its order of first runs, takes
    :data:`LNS_SHARE` of the time left before the MILP's bound (on small graphs, before
-   the exact methods of step 5, as candidate ``lns``).
+   the exact methods of step 5, as candidate ``lns``). With a time limit, a bound
+   does not start with under :data:`MIN_SLICE` seconds left once one is known (its
+   setup alone would run past the limit on thousands of ops).
+
+Once a proven bound puts the best schedule within ``gap_tolerance``, the heuristics on
+the reference order of step 3 no longer run.
 
 Every candidate is graded by :func:`solver.simulate`; the cheapest valid one within the
 budget wins (fewest steps on ties). ``schedule.info["auto"]`` records what was tried,
@@ -61,7 +71,8 @@ __all__ = ["solve_auto", "drop_recomputations", "EXACT_MAX_OPS", "CHAIN_DP_MAX_O
            "BOUND_LIMITED_MAX_OPS", "SMALL_OPS", "GAP_TOLERANCE", "LP_BOUND_SECONDS",
            "LP_EVICTION_SECONDS", "EARLY_BOUND_SHARE", "MILP_BOUND_SHARE", "EARLY_MILP_SECONDS", "BLOCK_DP_SECONDS",
            "BLOCK_DP_MIN_REPEATS", "DROP_SECONDS", "STAGED_SHARE", "STAGED_SECONDS", "STAGED_MAX_OPS", "COVER_SECONDS", "LNS_SHARE", "LNS_SECONDS",
-           "STAGE_MILP_MAX_OPS", "STAGE_MILP_SHARE", "STAGE_MILP_MORE_SHARE", "LNS_STARTS"]
+           "STAGE_MILP_MAX_OPS", "STAGE_MILP_SHARE", "STAGE_MILP_MORE_SHARE", "STAGE_MILP_ONE_SHARE",
+           "LNS_STARTS"]
 
 log = logging.getLogger(__name__)
 
@@ -128,6 +139,9 @@ STAGE_MILP_MAX_OPS = 1000
 #: 0.5x its ``cover`` schedule).
 STAGE_MILP_SHARE = 0.7
 STAGE_MILP_MORE_SHARE = 0.9
+#: On training graphs past :data:`STAGE_MILP_MAX_OPS` ops, the share of the time left
+#: for one round of ``stage_milp`` (the first program's plan, repaired).
+STAGE_MILP_ONE_SHARE = 0.5
 #: Staged recomputation plans on a stage-by-value table: graphs up to this many ops.
 STAGED_MAX_OPS = 3000
 
@@ -312,12 +326,20 @@ def solve_auto(graph: ComputeGraph, budget: int, *, time_limit: float | None = N
         # 2. eviction on the reference order: fast, near-optimal on training graphs
         run("eviction", "DTR-style eviction on the reference order",
             time_limit=max(0.1, min(1.0 if unlimited else 2.0, 0.2 * limit)))
+        # 2b. with a time limit, on training graphs past STAGE_MILP_MAX_OPS ops: the
+        #     first stage program's plan, repaired (one round of stage_milp; on 32-layer
+        #     captures, within 0.3-5 % of its bound in 1-3 s, where the heuristics below
+        #     stop at gaps of up to 17 %)
+        if (training and extra() and use_exact and n > STAGE_MILP_MAX_OPS and left() > 1.0
+                and "stage_milp" not in tried):
+            run("stage_milp", "the first 0/1 stage program's plan, repaired, with the program's proven bound",
+                time_limit=STAGE_MILP_ONE_SHARE * left(), rounds=1)
         # 3. the chain DP on training graphs that split into stages
         if training and extra() and n <= CHAIN_DP_MAX_OPS:
             run("chain_dp", "the graph is a chain of stages: the DP is optimal for chains",
                 time_limit=max(0.1, min(0.5, 0.1 * limit)))
         # 3b. eviction guided by the stage LP's plan at the step most over the budget
-        if training and extra():
+        if training and extra() and not close_enough():
             run("lp_eviction", "eviction guided by the stage LP's relaxed plan",
                 time_limit=max(0.3, min(LP_EVICTION_SECONDS, 0.5 * left()) if unlimited else 0.6 * left()))
         # 3c. with a time limit, the 0/1 stage program, solved, as a schedule and a bound
@@ -328,17 +350,17 @@ def solve_auto(graph: ComputeGraph, budget: int, *, time_limit: float | None = N
         stage_program()
         # 3d. which forward values the backward keeps, as a covering MILP over the steps
         #     over the budget (GPT-style LMs at 0.5x-0.7x: cheaper than lp_eviction)
-        if training and extra() and left() > MIN_SLICE and n <= STAGED_MAX_OPS:
+        if training and extra() and not close_enough() and left() > MIN_SLICE and n <= STAGED_MAX_OPS:
             run("cover", "the backward keeps what a covering MILP over the steps over the budget keeps",
                 time_limit=max(0.3, min(COVER_SECONDS, 0.3 * left())))
         # 3e. exact layer blocks composed over the chain of blocks
-        if training and extra():
+        if training and extra() and not close_enough():
             run("block_dp", "each distinct layer block solved exactly, composed by a DP over the chain",
                 time_limit=max(0.3, min(BLOCK_DP_SECONDS if unlimited else 2 * BLOCK_DP_SECONDS, 0.3 * left())),
                 min_repeats=BLOCK_DP_MIN_REPEATS)
         # 3f. staged recomputation on the reference order (it plans the whole memory
         #     curve; on ResNet50 at 0.8x it beats eviction)
-        if extra() and left() > MIN_SLICE and n <= STAGED_MAX_OPS:
+        if extra() and not close_enough() and left() > MIN_SLICE and n <= STAGED_MAX_OPS:
             share = min(STAGED_SECONDS, 0.5 * STAGED_SHARE * left()) if unlimited else 0.5 * STAGED_SHARE * left()
             _staged(graph, ix, budget, consider, tried, deadline=_time.perf_counter() + share, drop=use_drop,
                     orders=[list(range(n))], name="staged")
@@ -437,7 +459,13 @@ def solve_auto(graph: ComputeGraph, budget: int, *, time_limit: float | None = N
             sched.info["fixed_order_lower_bound"] = float(sched.lower_bound)
     scope = "free order" if bound is not None and sched.info.get("bound_scope") == "free order" else "fixed order"
     close = bound is not None and key[0] - bound <= tolerance * (key[0] - base) + 1e-9
-    if use_bound and not close:
+
+    def late() -> bool:
+        """A bound is known and too little time is left for another: each has a setup
+        (0.3-0.5 s on 5,000-7,000 ops) that would run past the time limit."""
+        return not unlimited and bound is not None and left() < MIN_SLICE
+
+    if use_bound and not close and not late():
         # the bound valid in any order first: the stage LP at ops placed by the DAG alone
         f_time = min(0.5 * LP_BOUND_SECONDS, max(0.3, 0.25 * elapsed)) if unlimited else max(0.0, 0.3 * left())
         if fixed_scope and not unlimited:
@@ -446,7 +474,7 @@ def solve_auto(graph: ComputeGraph, budget: int, *, time_limit: float | None = N
         if flb > base and (bound is None or flb >= bound):
             bound, scope = flb, "free order"
             close = key[0] - bound <= tolerance * (key[0] - base) + 1e-9
-    if use_bound and not close and "fixed_order_lower_bound" not in sched.info:
+    if use_bound and not close and "fixed_order_lower_bound" not in sched.info and not late():
         # then the fixed-order bounds: the forced recomputation (milliseconds on
         # thousands of ops), small LPs at the steps most over the budget, then the 0/1
         # stage program at the best of them

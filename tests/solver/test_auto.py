@@ -96,12 +96,13 @@ def test_block_dp_is_a_candidate_on_layered_training_graphs():
     from solver.methods.auto import BLOCK_DP_MIN_REPEATS
 
     g = layered(BLOCK_DP_MIN_REPEATS + 1, 3, seed=1)
-    s = solver.solve(g, budget_between(g, 0.6), time_limit=2)
+    # (no gap tolerance: with 1 %, lp_eviction's bound closes the gap before it)
+    s = solver.solve(g, budget_between(g, 0.6), time_limit=2, gap_tolerance=0.0)
     assert isinstance(s.info["auto"]["tried"]["block_dp"], float)
     r = solver.simulate(g, s)
     assert r.valid and r.peak_bytes <= budget_between(g, 0.6)
     few = layered(3, 3, seed=1)  # too few layers: refused, and auto goes on
-    s = solver.solve(few, budget_between(few, 0.6), time_limit=2)
+    s = solver.solve(few, budget_between(few, 0.6), time_limit=2, gap_tolerance=0.0)
     assert "repeats" in s.info["auto"]["tried"]["block_dp"]
 
 
@@ -286,3 +287,43 @@ def test_gap_tolerance_must_be_a_fraction():
     g, budget = _chain10()
     with pytest.raises(ValueError, match="gap_tolerance"):
         solve_auto(g, budget, time_limit=5, gap_tolerance=-0.1)
+
+
+def test_past_stage_milps_size_its_first_round_runs_before_the_heuristics(monkeypatch):
+    # on graphs too large for stage_milp's rounds, auto runs one round (the first
+    # program's plan, repaired) with a share of the time, before lp_eviction; once a
+    # proven bound puts the best schedule within the tolerance, the heuristics on the
+    # reference order after it do not run
+    import dataclasses
+    import importlib
+
+    from solver import registry
+    from solver.synthetic import budget_between
+
+    module = importlib.import_module("solver.methods.auto")
+    monkeypatch.setattr(module, "STAGE_MILP_MAX_OPS", 10)
+    calls = []
+    for name in ("stage_milp", "lp_eviction"):
+        info = registry.registered()[name]
+
+        def recorded(*args, _name=name, _fn=info.fn, **kw):
+            calls.append((_name, kw))
+            return _fn(*args, **kw)
+
+        monkeypatch.setitem(registry._REGISTRY, name, dataclasses.replace(info, fn=recorded))
+    g = random_training_graph(20, seed=0)  # the first program's plan is over the budget
+    budget = budget_between(g, 0.6)
+    s = solver.solve(g, budget, method="auto", time_limit=10, gap_tolerance=0.0)
+    names = [name for name, _ in calls]
+    assert names.count("stage_milp") == 1 and names.index("stage_milp") < names.index("lp_eviction")
+    kw = dict(calls)["stage_milp"]
+    assert kw["rounds"] == 1 and kw["time_limit"] <= module.STAGE_MILP_ONE_SHARE * 10
+    r = solver.simulate(g, s)
+    assert r.valid and r.peak_bytes <= budget
+    tried = s.info["auto"]["tried"]
+    assert isinstance(tried["stage_milp"], float), tried["stage_milp"]  # its plan, repaired, fits here
+    calls.clear()
+    loose = solver.solve(g, budget, method="auto", time_limit=10, gap_tolerance=1.0)  # any bound is enough
+    assert [name for name, _ in calls] == ["stage_milp"]
+    assert not {"lp_eviction", "cover", "block_dp", "staged"} & set(loose.info["auto"]["tried"])
+    assert loose.lower_bound is not None and loose.gap <= 1.0
