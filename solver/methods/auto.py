@@ -43,9 +43,10 @@ The recipe, cheapest first:
    :func:`solver.methods.lns.improve_sequence`, a large neighbourhood search over the
    winner's recomputations that keeps its order of first runs, takes
    :data:`LNS_SHARE` of the time left before the MILP's bound (on small graphs, before
-   the exact methods of step 5, as candidate ``lns``). With a time limit, a bound
-   does not start with under :data:`MIN_SLICE` seconds left once one is known (its
-   setup alone would run past the limit on thousands of ops).
+   the exact methods of step 5, as candidate ``lns``). With a time limit, on graphs
+   past :data:`STAGE_MILP_MAX_OPS` ops, a bound does not start with under
+   :data:`MIN_SLICE` seconds left once one is known (its setup alone would run past the
+   limit there).
 
 Once a proven bound puts the best schedule within ``gap_tolerance``, the heuristics on
 the reference order of step 3 no longer run.
@@ -461,9 +462,11 @@ def solve_auto(graph: ComputeGraph, budget: int, *, time_limit: float | None = N
     close = bound is not None and key[0] - bound <= tolerance * (key[0] - base) + 1e-9
 
     def late() -> bool:
-        """A bound is known and too little time is left for another: each has a setup
-        (0.3-0.5 s on 5,000-7,000 ops) that would run past the time limit."""
-        return not unlimited and bound is not None and left() < MIN_SLICE
+        """On graphs past :data:`STAGE_MILP_MAX_OPS` ops, a bound is known and too little
+        time is left for another: each has a setup (0.3-0.5 s on 5,000-7,000 ops) that
+        would run past the time limit. (On smaller graphs a bound's setup is short, and
+        a bound begun with little time left can still prove more.)"""
+        return not unlimited and n > STAGE_MILP_MAX_OPS and bound is not None and left() < MIN_SLICE
 
     if use_bound and not close and not late():
         # the bound valid in any order first: the stage LP at ops placed by the DAG alone
