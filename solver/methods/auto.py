@@ -463,7 +463,7 @@ def solve_auto(graph: ComputeGraph, budget: int, *, time_limit: float | None = N
 
     def late() -> bool:
         """On graphs past :data:`STAGE_MILP_MAX_OPS` ops, a bound is known and too little
-        time is left for another: each has a setup (0.3-0.5 s on 5,000-7,000 ops) that
+        time is left for another: each has a setup (0.2-0.5 s on 5,000-7,000 ops) that
         would run past the time limit. (On smaller graphs a bound's setup is short, and
         a bound begun with little time left can still prove more.)"""
         return not unlimited and n > STAGE_MILP_MAX_OPS and bound is not None and left() < MIN_SLICE

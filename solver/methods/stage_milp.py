@@ -55,7 +55,8 @@ from solver.schedule import Schedule
 from solver.simulate import simulate
 
 __all__ = ["stage_milp", "sequence_from_stages", "FIRST_BOUNDARIES", "MORE_BOUNDARIES", "ROUNDS", "SMALL_OPS",
-           "HELD_SHARE", "HELD_SECONDS", "HELD_OVER", "FIRST_SHARE", "REPAIR_SHARE", "NEAR_OVER"]
+           "HELD_SHARE", "HELD_SECONDS", "HELD_OVER", "FIRST_SHARE", "REPAIR_SHARE", "ROUND_REPAIR_SHARE",
+           "NEAR_OVER"]
 
 #: Boundaries of the first round (the steps most over the budget), and at most added by
 #: each later one: on graphs up to :data:`SMALL_OPS` ops, and on larger ones (where
@@ -84,6 +85,9 @@ FIRST_SHARE = 0.35
 #: milliseconds on the captured Llama at 0.3x, where a reserve kept for it at the end
 #: took the time that the last held round needed).
 REPAIR_SHARE = 0.1
+#: A whole round's repair gets this share of the time left, unless it is the last round
+#: (then the time left: no round after it needs any).
+ROUND_REPAIR_SHARE = 0.3
 #: Past ``soft_limit``, held rounds go on while their last plan peaks within this times
 #: the budget (on captures of the Llama at 0.3x the second held round's plan peaks at
 #: 1.07-1.10x and the third fits; on HF GPT-2 at 0.3x they stay at 1.09-1.18x for minutes).
@@ -291,7 +295,7 @@ def stage_milp(graph: ComputeGraph, budget_bytes: int, *, time_limit: float | No
 
     repair_seconds = 0.0  # the longest repair so far (its setup runs whatever its share)
 
-    def _repair_into(seq: list, share: float = 0.3) -> None:
+    def _repair_into(seq: list, share: float) -> None:
         nonlocal best, best_cost, repair_seconds
         if deadline.left() < repair_seconds:
             return  # it would not end in time
@@ -363,7 +367,7 @@ def stage_milp(graph: ComputeGraph, budget_bytes: int, *, time_limit: float | No
             if not holding:
                 # the time left where no round follows (a caller asking for one round:
                 # the plan of the first program, repaired)
-                _repair_into(seq, share=1.0 if round_ == max(1, rounds) - 1 else 0.3)
+                _repair_into(seq, share=1.0 if round_ == max(1, rounds) - 1 else ROUND_REPAIR_SHARE)
             elif r.peak_bytes < closest:
                 closest = r.peak_bytes  # the closest to the budget so far: repaired, briefly
                 _repair_into(seq, share=REPAIR_SHARE)
