@@ -44,7 +44,11 @@ class InfeasibleBudget(RematError, ValueError):
     lower_bound_bytes : int
         No schedule peaks below this.
     culprit : hashable or None
-        The op whose inputs, output and workspace alone force the lower bound.
+        The op whose inputs, output and workspace alone force the lower bound (with
+        ``held_bytes`` more beside them).
+    held_bytes : int
+        Bytes that, beside the culprit's own, hold the results of ops that run only
+        once (random ops such as dropout masks) for later readers while it runs.
     """
 
     def __init__(
@@ -56,12 +60,14 @@ class InfeasibleBudget(RematError, ValueError):
         culprit=None,
         culprit_name: str | None = None,
         what: str = "peak",
+        held_bytes: int = 0,
     ) -> None:
         self.budget_bytes = int(budget_bytes)
         self.smallest_feasible_bytes = int(smallest_feasible_bytes)
         self.lower_bound_bytes = int(lower_bound_bytes if lower_bound_bytes is not None else smallest_feasible_bytes)
         self.proven = self.lower_bound_bytes >= self.smallest_feasible_bytes
         self.culprit = culprit
+        self.held_bytes = int(held_bytes)
         if self.proven or self.budget_bytes < self.lower_bound_bytes:
             msg = (
                 f"budget {format_bytes(self.budget_bytes)} ({self.budget_bytes} B) is infeasible: "
@@ -77,7 +83,11 @@ class InfeasibleBudget(RematError, ValueError):
             )
         if not self.proven:
             msg += f"; no schedule can go below {format_bytes(self.lower_bound_bytes)} ({self.lower_bound_bytes} B)"
-        if culprit is not None:
+        if culprit is not None and self.held_bytes > 0:
+            msg += (f"; while op {culprit_name or culprit!r} runs, its inputs + output and "
+                    f"{format_bytes(self.held_bytes)} holding the results of ops that run only once "
+                    "(random ops such as dropout masks) for later readers must be resident")
+        elif culprit is not None:
             msg += f"; op {culprit_name or culprit!r} alone needs its inputs + output resident"
         msg += ". Ask for at least the smallest feasible budget."
         super().__init__(msg)

@@ -115,6 +115,9 @@ FIGURES_SECONDS = 0.8
 #: Seconds at most for proving the peak's lower bound higher where the search stops
 #: above the budget (:func:`solver.bounds.relaxed_peak_bound`).
 PROOF_SECONDS = 1.0
+#: Seconds at most for the bound of what run-once ops hold
+#: (:func:`solver.feasibility.run_once_peak_bound`), tried first.
+ONCE_SECONDS = 1.0
 #: Below this many seconds left, a failure is raised without looking for figures.
 FIGURES_MIN_SECONDS = 0.05
 
@@ -125,8 +128,9 @@ def _not_reached(graph: ComputeGraph, budget: int, exc: NoScheduleFound, left: f
     proven bound) or :class:`BudgetNotReached` naming the least peak that a schedule is
     known to reach -- the method's own ``best_peak`` or the low-memory search's, whichever
     is less -- searched for in the time that is ``left`` (seconds; None: no limit). With
-    ``prove``, a budget between the bounds is tried against the order-free stage
-    relaxation (:func:`solver.bounds.relaxed_peak_bound`), which may raise the proven bound."""
+    ``prove``, a budget between the bounds is tried against what ops that run once hold
+    (:func:`solver.feasibility.run_once_peak_bound`) and the order-free stage relaxation
+    (:func:`solver.bounds.relaxed_peak_bound`), which may raise the proven bound."""
     if isinstance(exc, InfeasibleBudget):
         return exc
     if left is not None and left < FIGURES_MIN_SECONDS:
@@ -140,17 +144,24 @@ def _not_reached(graph: ComputeGraph, budget: int, exc: NoScheduleFound, left: f
         found = int(exc.best_peak)
     if budget >= found:
         return exc  # a schedule within the budget exists: the method's own failure
+    held = 0
     if prove and budget >= lb:
-        # between the bounds: the order-free stage relaxation may prove the budget (and
-        # more) infeasible
+        # between the bounds: what ops that run once must hold (dropout masks) may prove
+        # the budget infeasible, then the order-free stage relaxation may raise it more
         from solver.bounds import relaxed_peak_bound
+        from solver.feasibility import run_once_peak_bound
 
-        rest = PROOF_SECONDS if left is None else min(PROOF_SECONDS, left - (time.perf_counter() - t0))
+        rest = ONCE_SECONDS if left is None else min(ONCE_SECONDS, left - (time.perf_counter() - t0))
         if rest > FIGURES_MIN_SECONDS:
+            raised, op, extra = run_once_peak_bound(graph, time_limit=rest)
+            if raised > lb:
+                lb, culprit, held = min(raised, found), op, extra
+        rest = PROOF_SECONDS if left is None else min(PROOF_SECONDS, left - (time.perf_counter() - t0))
+        if budget >= lb and rest > FIGURES_MIN_SECONDS:
             raised = relaxed_peak_bound(graph, lower=lb, upper=found, first=budget, time_limit=rest)
             if raised > lb:
-                lb, culprit = raised, None  # (no single op forces it)
+                lb, culprit, held = raised, None, 0  # (no single op forces it)
     name = (graph[culprit].get("name") or graph[culprit].get("op")) if culprit is not None else None
     cls = InfeasibleBudget if budget < lb else BudgetNotReached
     return cls(budget, found, lower_bound_bytes=lb, culprit=culprit,
-               culprit_name=f"{culprit!r} ({name})" if name else None)
+               culprit_name=f"{culprit!r} ({name})" if name else None, held_bytes=held)

@@ -118,3 +118,75 @@ def test_a_budget_the_relaxation_rules_out_is_proven_infeasible():
         exc = info.value
         assert not isinstance(exc, BudgetNotReached)
         assert exc.proven and exc.lower_bound_bytes == exc.smallest_feasible_bytes == best
+
+
+def _with_run_once_ops(g, seed, share=0.3):
+    """``g`` with about ``share`` of its ops marked as run-once (random ops)."""
+    import random
+
+    rng = random.Random(seed)
+    for v in g.ops:
+        if rng.random() < share:
+            g[v]["recomputable"] = False
+    return g
+
+
+@settings(max_examples=60, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@given(kind=st.integers(0, 2), size=st.integers(2, 8), seed=st.integers(0, 10_000), groups=st.booleans())
+def test_the_run_once_bound_never_exceeds_the_smallest_peak(kind, size, seed, groups):
+    from solver.feasibility import run_once_peak_bound
+    from solver.synthetic import small_graph
+
+    g = _with_run_once_ops(small_graph(kind, size, seed, groups=groups), seed)
+    bound, culprit, held = run_once_peak_bound(g, time_limit=None)
+    best, _ = brute_force_min_peak(g)
+    assert solver.peak_lower_bound(g)[0] <= bound <= best
+    assert held >= 0 and (culprit is not None or held == 0)
+
+
+def test_the_run_once_bound_rises_where_a_random_op_is_read_late():
+    # a graph found by a sweep of small graphs: the footprint bound is below the true
+    # smallest peak, which the run-once bound reaches
+    from solver.feasibility import run_once_peak_bound
+    from solver.synthetic import small_graph
+
+    raised = 0
+    for seed in range(40):
+        g = _with_run_once_ops(small_graph(1, 8, seed), seed)
+        bound, culprit, held = run_once_peak_bound(g, time_limit=None)
+        lb = solver.peak_lower_bound(g)[0]
+        if bound > lb:
+            raised += 1
+            assert held > 0 and culprit in g.ops
+            assert bound <= brute_force_min_peak(g)[0]
+    assert raised >= 3
+
+
+def test_a_dropout_gpt_budget_below_what_its_masks_hold_is_proven_infeasible():
+    """On a captured GPT with dropout, the masks (random, run once) and what reads them
+    later must stay resident beside the largest backward op: the bound rises above the
+    footprint bound, stays below the smallest peak reached, and a budget between the two
+    bounds is reported infeasible (not merely unreached), naming the held bytes."""
+    pytest.importorskip("torch")
+    from solver.errors import BudgetNotReached
+    from solver.feasibility import run_once_peak_bound
+    from tests.solver.test_auto import captured_model
+
+    g = captured_model("gpt", n_layer=2, d=16, seq=32, batch=2, n_head=4, vocab=32)
+    assert any(not g[v].get("recomputable", True) for v in g.ops)  # the dropout masks
+    lb = solver.peak_lower_bound(g)[0]
+    bound, culprit, held = run_once_peak_bound(g, time_limit=None)
+    found = smallest_feasible_peak(g, time_limit=5)[0]
+    assert lb < bound <= found
+    assert held > 0 and g[culprit]["phase"] == "backward"
+    budget = (lb + bound) // 2
+    with pytest.raises(solver.InfeasibleBudget) as info:
+        solver.solve(g, budget, method="eviction")
+    exc = info.value
+    assert not isinstance(exc, BudgetNotReached)
+    assert exc.lower_bound_bytes == bound and exc.held_bytes == held
+    assert "run only once" in str(exc)
+    # offloading moves a mask off the device while it waits: below the bound, so the
+    # bound is for recomputation only
+    s = solver.solve(g, budget, method="offload", bandwidth=1e12, time_limit=10)
+    assert solver.simulate(g, s, bandwidth=1e12).peak_bytes <= budget < bound
