@@ -84,11 +84,11 @@ class InfeasibleBudget(RematError, ValueError):
         if not self.proven:
             msg += f"; no schedule can go below {format_bytes(self.lower_bound_bytes)} ({self.lower_bound_bytes} B)"
         if culprit is not None and self.held_bytes > 0:
-            msg += (f"; while op {culprit_name or culprit!r} runs, its inputs + output and "
+            msg += (f"; while op {culprit_name or repr(culprit)} runs, its inputs + output and "
                     f"{format_bytes(self.held_bytes)} holding the results of ops that run only once "
                     "(random ops such as dropout masks) for later readers must be resident")
         elif culprit is not None:
-            msg += f"; op {culprit_name or culprit!r} alone needs its inputs + output resident"
+            msg += f"; op {culprit_name or repr(culprit)} alone needs its inputs + output resident"
         msg += ". Ask for at least the smallest feasible budget."
         super().__init__(msg)
 

@@ -36,6 +36,7 @@ def test_below_bound_raises_with_achievable_smallest():
     exc = info.value
     assert exc.smallest_feasible_bytes >= lb
     assert str(exc.smallest_feasible_bytes) in str(exc)
+    assert f"op {exc.culprit!r} (" in str(exc)  # the op's id, then its name
     s = solver.solve(g, exc.smallest_feasible_bytes)
     assert s.peak_bytes <= exc.smallest_feasible_bytes
 
@@ -185,7 +186,7 @@ def test_a_dropout_gpt_budget_below_what_its_masks_hold_is_proven_infeasible():
     exc = info.value
     assert not isinstance(exc, BudgetNotReached)
     assert exc.lower_bound_bytes == bound and exc.held_bytes == held
-    assert "run only once" in str(exc)
+    assert "run only once" in str(exc) and f"op {culprit!r} (" in str(exc)  # named once, unquoted
     # offloading moves a mask off the device while it waits: below the bound, so the
     # bound is for recomputation only
     s = solver.solve(g, budget, method="offload", bandwidth=1e12, time_limit=10)
