@@ -27,7 +27,9 @@ The recipe, cheapest first:
    budgets where on-demand eviction thrashes); then ``order_search`` (free order) where
    order freedom matters: forward-only graphs, or training graphs whose greedy low-memory order lowers the reference peak; then the
    low-memory recipe of :func:`~solver.methods.minpeak.min_peak_sequence`, which
-   reaches every budget that :class:`~solver.InfeasibleBudget` reports;
+   reaches every budget that :class:`~solver.InfeasibleBudget` reports; and on graphs
+   of at most :data:`BRUTE_FORCE_MAX_OPS` ops, the exhaustive search over every
+   schedule;
 5. an exact method (``cpsat``, ``checkmate_milp``) on small graphs when a time limit
    leaves time, warm-started from the best schedule so far; the next one runs only
    while the proven gap is above ``gap_tolerance``;
@@ -69,7 +71,7 @@ from solver.methods.drop import drop_recomputations
 from solver.simulate import simulate
 
 __all__ = ["solve_auto", "drop_recomputations", "EXACT_MAX_OPS", "CHAIN_DP_MAX_OPS", "ORDER_GAIN", "BOUND_MAX_OPS",
-           "BOUND_LIMITED_MAX_OPS", "SMALL_OPS", "GAP_TOLERANCE", "LP_BOUND_SECONDS",
+           "BOUND_LIMITED_MAX_OPS", "SMALL_OPS", "BRUTE_FORCE_MAX_OPS", "GAP_TOLERANCE", "LP_BOUND_SECONDS",
            "LP_EVICTION_SECONDS", "EARLY_BOUND_SHARE", "MILP_BOUND_SHARE", "EARLY_MILP_SECONDS", "BLOCK_DP_SECONDS",
            "BLOCK_DP_MIN_REPEATS", "DROP_SECONDS", "STAGED_SHARE", "STAGED_SECONDS", "STAGED_MAX_OPS", "COVER_SECONDS", "LNS_SHARE", "LNS_SECONDS",
            "STAGE_MILP_MAX_OPS", "STAGE_MILP_SHARE", "STAGE_MILP_MORE_SHARE", "STAGE_MILP_ONE_SHARE",
@@ -86,6 +88,10 @@ CHAIN_DP_MAX_OPS = 120
 ORDER_GAIN = 0.01
 #: Order search always runs on graphs this small (it is cheap there).
 SMALL_OPS = 60
+#: Where nothing else fits a graph of at most this many ops, the exhaustive search over
+#: every schedule in any order (:func:`~solver.methods.bruteforce.brute_force`,
+#: O(3^n n): about 0.01 s at 10 ops) settles it.
+BRUTE_FORCE_MAX_OPS = 10
 #: Without a time limit, the fixed-order lower bound is only attempted up to this size.
 BOUND_MAX_OPS = 100
 #: With a time limit, the bound is attempted up to this size.
@@ -389,6 +395,17 @@ def solve_auto(graph: ComputeGraph, budget: int, *, time_limit: float | None = N
                 consider("min_peak", Schedule(sequence=[ix.ids[i] for i in seq], method="min_peak",
                                               info={"order": "free"}),
                          "the low-memory recipe is the only one that fits")
+        # 4b. nothing fits a tiny graph: every schedule in any order, searched
+        #     exhaustively (what fits there may run a forward op again after a backward
+        #     one, or a gradient op twice, which no heuristic does)
+        if best[0] is None and n <= BRUTE_FORCE_MAX_OPS:
+            from solver.methods.bruteforce import brute_force
+
+            try:
+                consider("brute_force", brute_force(graph, budget, max_ops=BRUTE_FORCE_MAX_OPS),
+                         "nothing else fits: the exhaustive search over every schedule of a tiny graph")
+            except (InfeasibleBudget, SolverError) as exc:
+                tried["brute_force"] = f"{type(exc).__name__}: {exc}"[:200]
         # 5. exact methods on small graphs, warm-started, while the gap is not closed
         #    (also when the time is spent and no heuristic fits, with a short slice each:
         #    the only chance left)
