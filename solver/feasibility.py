@@ -12,9 +12,9 @@ data from ``x`` to a value read after ``v`` (or to a step output) passes through
 resident while ``v`` runs. The resident bytes beside ``v``'s own footprint are at least
 the flow that those paths carry with each value's bytes as its capacity, summed over the
 run-once values (a multicommodity flow is at most any cut of it). On a captured 4-layer
-GPT with dropout it raises the bound from 0.14x to 0.33x the store-all peak.
-Recomputation only: an offloaded copy is not resident, so neither bound covers offload
-for this part.
+GPT with dropout it raises the bound from 0.14x to 0.33x the store-all peak. It holds
+for schedules that recompute, not for those that offload (an offloaded copy is not
+resident); the footprint bound holds for both.
 """
 
 from __future__ import annotations
