@@ -706,19 +706,9 @@ FREE_CANDIDATES = 32
 
 def _ancestry(graph: ComputeGraph, ops: list, index: dict) -> tuple[list[int], list[int]]:
     """Strict op ancestors and descendants of every op, as bit masks over op indices."""
-    n = len(ops)
-    preds = [[index[u] for u in graph.op_preds(v)] for v in ops]
-    anc = [0] * n
-    for i in range(n):  # the reference order is topological
-        a = 0
-        for j in preds[i]:
-            a |= anc[j] | (1 << j)
-        anc[i] = a
-    desc = [0] * n
-    for i in reversed(range(n)):
-        for j in preds[i]:
-            desc[j] |= desc[i] | (1 << i)
-    return anc, desc
+    from solver.indexed import ancestry_masks
+
+    return ancestry_masks([[index[u] for u in graph.op_preds(v)] for v in ops])
 
 
 def _bits(mask: int) -> list[int]:

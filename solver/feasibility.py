@@ -116,7 +116,7 @@ def run_once_peak_bound(graph: ComputeGraph, *, time_limit: float | None = 1.0) 
     >>> peak_lower_bound(g)[0], run_once_peak_bound(g)
     (15, (16, 'v', 4))
     """
-    from solver.indexed import IndexedGraph
+    from solver.indexed import IndexedGraph, ancestry_masks
 
     lb, culprit = peak_lower_bound(graph)
     ix = IndexedGraph.of(graph)
@@ -129,37 +129,26 @@ def run_once_peak_bound(graph: ComputeGraph, *, time_limit: float | None = 1.0) 
     # a continuing projection of a multi-output op is charged its run_workspace
     ws = [min(ix.workspace[v], int(nodes[ix.ids[v]].get("run_workspace", ix.workspace[v]))) for v in range(n)]
     foot = [ix.nbytes[v] + ws[v] + sum(ix.nbytes[p] for p in ix.preds[v]) for v in range(n)]
-    # descendants (by data and required order) as bit sets, and each value's readers
-    desc = [0] * n
-    for v in reversed(range(n)):
-        d = 0
-        for s in ix.order_succs(v):
-            d |= desc[s] | (1 << s)
-        desc[v] = d
+    # ancestors and descendants (by data and the random ops' required order) as bit
+    # sets, and each value's readers
+    anc, desc = ancestry_masks([ix.order_preds(v) for v in range(n)])
     readers = [sum(1 << s for s in ix.succs[v]) for v in range(n)]
-    # the run-once ancestors of each op (a bit per entry of ``once``), and an
-    # over-estimate of what it holds: every run-once ancestor outside its footprint
-    bit = {x: 1 << k for k, x in enumerate(once)}
-    anc = [0] * n
-    for v in range(n):
-        a = 0
-        for p in ix.order_preds(v):
-            a |= anc[p] | bit.get(p, 0)
-        anc[v] = a
+    # an over-estimate of what an op holds: every run-once ancestor outside its footprint
+    runs_once = sum(1 << x for x in once)
     weight: dict[int, int] = {}
     extra = [0] * n
     for v in range(n):
-        a = anc[v]
+        a = anc[v] & runs_once
         for p in ix.preds[v]:
-            a &= ~bit.get(p, 0)
+            a &= ~(1 << p)
         if a not in weight:
-            weight[a] = sum(ix.nbytes[x] for x in once if a & bit[x])
+            weight[a] = sum(ix.nbytes[x] for x in once if (a >> x) & 1)
         extra[v] = weight[a]
     best, best_v, best_held = lb - ix.fixed, None, 0
     for v in sorted(range(n), key=lambda v: -(foot[v] + extra[v])):
         if foot[v] + extra[v] <= best or (deadline is not None and _time.perf_counter() > deadline):
             break
-        held = _held_bytes(ix, v, [x for x in once if anc[v] & bit[x]], desc, readers)
+        held = _held_bytes(ix, v, [x for x in once if (anc[v] >> x) & 1], desc, readers)
         if foot[v] + held > best:
             best, best_v, best_held = foot[v] + held, v, held
     if best_v is None:
@@ -179,8 +168,6 @@ def _held_bytes(ix, v: int, once: list[int], desc: list[int], readers: list[int]
     parent = [-2] * ix.n  # -2: not reached in this search
     total = 0
     for x in once:
-        if cap[x] <= 0:
-            continue
         while cap[x] > 0:
             # breadth-first to the nearest value read after v (or an output), through
             # values with capacity left

@@ -14,7 +14,7 @@ from typing import Sequence
 
 from graphs import ComputeGraph
 
-__all__ = ["IndexedGraph", "order_peak", "peak_profile"]
+__all__ = ["IndexedGraph", "order_peak", "peak_profile", "ancestry_masks"]
 
 
 @dataclass
@@ -128,6 +128,31 @@ class IndexedGraph:
             f = self.nbytes[v] + self.workspace[v] + sum(self.nbytes[p] for p in self.preds[v])
             best = max(best, f)
         return best
+
+
+def ancestry_masks(preds: Sequence[Sequence[int]]) -> tuple[list[int], list[int]]:
+    """Strict ancestors and descendants of every op, as bit masks over op indices.
+
+    ``preds[i]`` lists the ops that op ``i`` depends on; the indices must be a
+    topological order (the reference order is). O(edges x ops / word size).
+
+    Examples
+    --------
+    >>> ancestry_masks([[], [0], [1]])
+    ([0, 1, 3], [6, 4, 0])
+    """
+    n = len(preds)
+    anc = [0] * n
+    for i in range(n):
+        a = 0
+        for j in preds[i]:
+            a |= anc[j] | (1 << j)
+        anc[i] = a
+    desc = [0] * n
+    for i in reversed(range(n)):
+        for j in preds[i]:
+            desc[j] |= desc[i] | (1 << i)
+    return anc, desc
 
 
 def order_peak(ix: IndexedGraph, order: Sequence[int]) -> int:

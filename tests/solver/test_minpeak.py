@@ -146,8 +146,9 @@ def test_the_run_once_bound_never_exceeds_the_smallest_peak(kind, size, seed, gr
 
 
 def test_the_run_once_bound_rises_where_a_random_op_is_read_late():
-    # a graph found by a sweep of small graphs: the footprint bound is below the true
-    # smallest peak, which the run-once bound reaches
+    # among small training graphs with random run-once ops, some have a footprint bound
+    # below the true smallest peak: the run-once bound rises on several, and stays at or
+    # below the brute-force smallest peak there
     from solver.feasibility import run_once_peak_bound
     from solver.synthetic import small_graph
 
