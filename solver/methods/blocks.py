@@ -218,10 +218,13 @@ def _repeats(ids: list) -> list[tuple[int, int]]:
     n = len(ids)
     best = None  # (coverage, -p, start, p, copies)
     for p in range(1, min(64, n // 2) + 1):
+        # run[i]: how many of ids[i], ids[i+1], ... equal the id p places on; the copies
+        # of ids[start:start+p] that follow it are run[start] // p (O(n) per period)
+        run = [0] * (n - p + 1)
+        for i in range(n - p - 1, -1, -1):
+            run[i] = run[i + 1] + 1 if ids[i] == ids[i + p] else 0
         for start in range(0, n - 2 * p + 1):
-            copies = 1
-            while start + (copies + 1) * p <= n and ids[start + copies * p:start + (copies + 1) * p] == ids[start:start + p]:
-                copies += 1
+            copies = 1 + run[start] // p
             if copies >= 2 and (best is None or (p * copies, -p) > best[:2]):
                 best = (p * copies, -p, start, p, copies)
     if best is None:
