@@ -6,7 +6,8 @@ The recipe, cheapest first:
 2. ``eviction`` on the reference order (fast, near-optimal on training graphs); with a
    time limit, on training graphs past :data:`STAGE_MILP_MAX_OPS` ops, one round of
    ``stage_milp`` (the first program's plan, repaired) with
-   :data:`STAGE_MILP_ONE_SHARE` of the time left: on 32-layer captures of HF GPT-2 and
+   :data:`STAGE_MILP_ONE_SHARE` of the time left, when that comes to
+   :data:`STAGE_MILP_ONE_SECONDS` at least: on 32-layer captures of HF GPT-2 and
    Llama (5,400-6,900 ops) at 0.7-0.3x it finds the best schedule of every method in
    1-3 s, proven within 0.3-5 %;
 3. ``chain_dp`` on training graphs (optimal for chains of stages), ``lp_eviction``
@@ -74,8 +75,8 @@ __all__ = ["solve_auto", "drop_recomputations", "EXACT_MAX_OPS", "CHAIN_DP_MAX_O
            "BOUND_LIMITED_MAX_OPS", "SMALL_OPS", "BRUTE_FORCE_MAX_OPS", "GAP_TOLERANCE", "LP_BOUND_SECONDS",
            "LP_EVICTION_SECONDS", "EARLY_BOUND_SHARE", "MILP_BOUND_SHARE", "EARLY_MILP_SECONDS", "BLOCK_DP_SECONDS",
            "BLOCK_DP_MIN_REPEATS", "DROP_SECONDS", "STAGED_SHARE", "STAGED_SECONDS", "STAGED_MAX_OPS", "COVER_SECONDS", "LNS_SHARE", "LNS_SECONDS",
-           "STAGE_MILP_MAX_OPS", "STAGE_MILP_SHARE", "STAGE_MILP_MORE_SHARE", "STAGE_MILP_ONE_SHARE",
-           "LNS_STARTS"]
+           "STAGE_MILP_MAX_OPS", "STAGE_MILP_SHARE", "STAGE_MILP_MORE_SHARE", "STAGE_MILP_ONE_SHARE", "STAGE_MILP_ONE_SECONDS",
+           "LNS_STARTS", "TAIL_SHARE", "TAIL_SECONDS"]
 
 log = logging.getLogger(__name__)
 
@@ -147,10 +148,20 @@ STAGE_MILP_MAX_OPS = 1000
 STAGE_MILP_SHARE = 0.7
 STAGE_MILP_MORE_SHARE = 0.9
 #: On training graphs past :data:`STAGE_MILP_MAX_OPS` ops, the share of the time left
-#: for one round of ``stage_milp`` (the first program's plan, repaired).
-STAGE_MILP_ONE_SHARE = 0.5
+#: for one round of ``stage_milp`` (the first program's plan, repaired), and the seconds
+#: that share must come to for the round to run: on the 32-layer captures the round
+#: took 1.8-2.4 s on a slow machine and found nothing with 1.5-2.0 s; with a limit of 5 s
+#: and half the time left it failed there, and ``lp_eviction`` after it was starved.
+STAGE_MILP_ONE_SHARE = 0.8
+STAGE_MILP_ONE_SECONDS = 2.0
 #: Staged recomputation plans on a stage-by-value table: graphs up to this many ops.
 STAGED_MAX_OPS = 3000
+#: With a time limit, on graphs past :data:`STAGE_MILP_MAX_OPS` ops, the share of the
+#: limit (at most :data:`TAIL_SECONDS`) that the search leaves to the winner's last
+#: steps: dropping its unneeded recomputations and simulating the result (0.25-0.7 s on
+#: the 32-layer captures, where without it ``auto`` ran 6.1 s for a limit of 5 s).
+TAIL_SHARE = 0.1
+TAIL_SECONDS = 1.0
 
 
 def _registered(name: str):
@@ -267,8 +278,17 @@ def solve_auto(graph: ComputeGraph, budget: int, *, time_limit: float | None = N
             if isinstance(exc, NoScheduleFound) and info.order == "fixed" and lb is not None and math.isfinite(lb):
                 proven[0] = max(float(lb), proven[0] or -math.inf)  # what it proved holds without a schedule
 
+    # the search leaves the tail to the winner's last steps (see TAIL_SHARE)
+    reserve = [0.0 if unlimited or n <= STAGE_MILP_MAX_OPS else min(TAIL_SECONDS, TAIL_SHARE * limit)]
+
     def left() -> float:
-        return deadline - _time.perf_counter()
+        return deadline - reserve[0] - _time.perf_counter()
+
+    def has_time() -> bool:
+        """Whether a step with a slice of at least :data:`MIN_SLICE` may start: on graphs
+        past :data:`STAGE_MILP_MAX_OPS` ops with a time limit, only while that much is
+        left (there its setup alone takes tenths of a second); otherwise always."""
+        return unlimited or n <= STAGE_MILP_MAX_OPS or left() > MIN_SLICE
 
     def extra() -> bool:
         return best[0] is None or best[1][0] > base * (1 + 1e-12)
@@ -337,8 +357,8 @@ def solve_auto(graph: ComputeGraph, budget: int, *, time_limit: float | None = N
         #     first stage program's plan, repaired (one round of stage_milp; on 32-layer
         #     captures, within 0.3-5 % of its bound in 1-3 s, where the heuristics below
         #     stop at gaps of up to 17 %)
-        if (training and extra() and use_exact and n > STAGE_MILP_MAX_OPS and left() > 1.0
-                and "stage_milp" not in tried):
+        if (training and extra() and use_exact and n > STAGE_MILP_MAX_OPS
+                and STAGE_MILP_ONE_SHARE * left() >= STAGE_MILP_ONE_SECONDS and "stage_milp" not in tried):
             run("stage_milp", "the first 0/1 stage program's plan, repaired, with the program's proven bound",
                 time_limit=STAGE_MILP_ONE_SHARE * left(), rounds=1)
         # 3. the chain DP on training graphs that split into stages
@@ -361,7 +381,7 @@ def solve_auto(graph: ComputeGraph, budget: int, *, time_limit: float | None = N
             run("cover", "the backward keeps what a covering MILP over the steps over the budget keeps",
                 time_limit=max(0.3, min(COVER_SECONDS, 0.3 * left())))
         # 3e. exact layer blocks composed over the chain of blocks
-        if training and extra() and not close_enough():
+        if training and extra() and not close_enough() and has_time():
             run("block_dp", "each distinct layer block solved exactly, composed by a DP over the chain",
                 time_limit=max(0.3, min(BLOCK_DP_SECONDS if unlimited else 2 * BLOCK_DP_SECONDS, 0.3 * left())),
                 min_repeats=BLOCK_DP_MIN_REPEATS)
@@ -379,7 +399,7 @@ def solve_auto(graph: ComputeGraph, budget: int, *, time_limit: float | None = N
                     name="staged_free")
         # 4. order search where order freedom matters: forward-only graphs, or when a
         #    low-memory order beats the reference peak
-        if extra():
+        if extra() and (has_time() or best[0] is None):
             free_peak = min(order_peak(ix, min_memory_order(ix, tie=t)) for t in ("ref", "depth"))
             matters = not training or n <= SMALL_OPS or free_peak < ref_peak * (1 - ORDER_GAIN)
             if matters:
@@ -443,6 +463,7 @@ def solve_auto(graph: ComputeGraph, budget: int, *, time_limit: float | None = N
                 if hint is not None:
                     kw["hint"] = hint
                 run(name, "exact method on a small graph, warm-started from the heuristics", **kw)
+    reserve[0] = 0.0  # the tail is the winner's
     sched, key, why = best
     if sched is None:
         raise NoScheduleFound(

@@ -383,9 +383,9 @@ def best_eviction(
 ) -> tuple[list[int] | None, str | None]:
     """The cheapest sequence over ``scores`` (fewest recomputations on ties)."""
     best, best_key, best_score = None, None, None
-    for sc in scores:
-        if deadline is not None and best is not None and _time.perf_counter() > deadline:
-            break
+    for k, sc in enumerate(scores):
+        if k and deadline is not None and _time.perf_counter() > deadline:
+            break  # a pass begun now would fail at its first eviction
         seq = evict_sequence(ix, order, budget_bytes, score=sc, deadline=deadline)
         if seq is None:
             continue

@@ -91,9 +91,9 @@ def lp_eviction(graph: ComputeGraph, budget_bytes: int, *, time_limit: float | N
 
     priority = [DROPPED if live.get(v, 1.0) < 0.5 else 1.0 for v in ix.ids]
     passes = []
-    for sc in scores:
-        if passes and deadline is not None and _time.perf_counter() > deadline:
-            break
+    for k, sc in enumerate(scores):
+        if k and deadline is not None and _time.perf_counter() > deadline:
+            break  # a pass begun now would fail at its first eviction
         seq = evict_sequence(ix, range(ix.n), budget_bytes, score=sc, deadline=deadline, priority=priority)
         if seq is not None:
             passes.append((sum(ix.time[v] for v in seq), len(seq), sc, seq))
