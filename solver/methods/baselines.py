@@ -210,11 +210,13 @@ def chen_sqrt(graph: ComputeGraph, budget_bytes: int, *, time_limit=None, **_) -
     return _schedule("chen_sqrt", seq, info)
 
 
-def _greedy_keep(graph, stages, threshold: float) -> set:
+def _greedy_keep(stages, sizes: list[int], threshold: float) -> set:
+    """The boundaries Chen's greedy keeps at ``threshold`` (``sizes``: each stage's
+    :func:`_stage_bytes`)."""
     keep = set()
     temp = 0
-    for st in stages:
-        temp += _stage_bytes(graph, st)
+    for st, size in zip(stages, sizes):
+        temp += size
         if temp > threshold:
             keep.add(st.boundary)
             temp = 0
@@ -283,7 +285,7 @@ def chen_greedy(
     def cands():
         seen = set()
         for b in grid:
-            keep = frozenset(_greedy_keep(graph, stages, b))
+            keep = frozenset(_greedy_keep(stages, sizes, b))
             if keep in seen:
                 continue
             seen.add(keep)
