@@ -168,11 +168,13 @@ def _cut_count(fwd: list, succs: dict, pos: dict, shared: set) -> int:
     return cuts
 
 
-def _shared_values(graph: ComputeGraph, fwd: list) -> set:
+def _shared_values(graph: ComputeGraph, fwd: list, deadline=None) -> set:
     """Forward values whose readers span far, set aside when that reveals more cuts.
 
     The values are taken longest span first; the prefix that gives the most cuts within
-    :data:`SHARED_FRACTION` of the forward bytes (the smallest such prefix) is kept."""
+    :data:`SHARED_FRACTION` of the forward bytes (the smallest such prefix) is kept; once
+    ``deadline`` (a :class:`~solver.deadline.Deadline`) has passed, the best prefix so far
+    (each count reads every forward edge)."""
     fset = set(fwd)
     pos = {v: i for i, v in enumerate(fwd)}
     succs = {v: [w for w in graph.op_succs(v) if w in fset] for v in fwd}
@@ -184,7 +186,7 @@ def _shared_values(graph: ComputeGraph, fwd: list) -> set:
     spent = 0
     for v in wide:
         spent += int(graph[v]["bytes"])
-        if spent > SHARED_FRACTION * total:
+        if spent > SHARED_FRACTION * total or (deadline is not None and deadline.expired()):
             break
         chosen.add(v)
         c = _cut_count(fwd, succs, pos, chosen)
@@ -247,7 +249,7 @@ def _merge(stages: list, runs: list[tuple[int, int]]) -> list:
     return out
 
 
-def block_chain(graph: ComputeGraph, *, layers: bool = True) -> BlockChain:
+def block_chain(graph: ComputeGraph, *, layers: bool = True, deadline=None) -> BlockChain:
     """Find the chain of blocks of a training graph (no options yet).
 
     Parameters
@@ -256,6 +258,9 @@ def block_chain(graph: ComputeGraph, *, layers: bool = True) -> BlockChain:
     layers : bool
         Merge the stages of each repeated layer into one block (default); ``False``
         keeps one block per stage.
+    deadline : solver.deadline.Deadline, optional
+        Checked between the passes over the graph (on dense graphs of thousands of ops,
+        each takes a second or more).
 
     Returns
     -------
@@ -267,6 +272,8 @@ def block_chain(graph: ComputeGraph, *, layers: bool = True) -> BlockChain:
         The graph has no backward or no chain of at least two blocks (forward and
         backward interleaved, or no articulation point even with shared values set
         aside); use a general method such as ``eviction``.
+    solver.deadline.OutOfTime
+        ``deadline`` passed before the chain was found.
 
     Examples
     --------
@@ -278,8 +285,12 @@ def block_chain(graph: ComputeGraph, *, layers: bool = True) -> BlockChain:
     if not has_backward(graph):
         raise NoScheduleFound(f"block_dp: {graph.name or 'the graph'} has no backward; "
                               "use a general method such as 'eviction' or 'order_search'")
+    from solver.deadline import Deadline
+
+    deadline = deadline or Deadline(None)
     fwd = [v for v in graph.order if graph.is_op(v) and graph[v]["phase"] == "forward"]
-    shared = _shared_values(graph, fwd)
+    shared = _shared_values(graph, fwd, deadline)
+    deadline.check("looking for the chain of blocks")
     # output gradients (``op="tangent"``) read the step's outputs only to come after them
     # (updated buffers, say); the outputs stay resident anyway, so those reads tie no
     # block to another
@@ -289,7 +300,9 @@ def block_chain(graph: ComputeGraph, *, layers: bool = True) -> BlockChain:
         g = graph.nx.copy()
         g.remove_edges_from([(u, w) for u in shared for w in list(graph.nx.successors(u))] + tied)
         view = ComputeGraph(g, name=graph.name, order=list(graph.order), meta=dict(graph.meta))
+    deadline.check("looking for the chain of blocks")
     stages = forward_stages(view)  # NoScheduleFound when forward reads backward values
+    deadline.check("looking for the chain of blocks")
     if len(stages) < 2:
         raise NoScheduleFound(f"block_dp: {graph.name or 'the graph'} is one block (no articulation point "
                               "between forward and backward); use a general method such as 'eviction'")
@@ -297,6 +310,7 @@ def block_chain(graph: ComputeGraph, *, layers: bool = True) -> BlockChain:
         sigs: dict = {}
         ids = [sigs.setdefault(_signature(graph, st, stages[st.index - 1].boundary if st.index else None, shared),
                                len(sigs)) for st in stages]
+        deadline.check("looking for the chain of blocks")
         stages = _merge(stages, _repeats(ids))
     stage_of_b = {v: st.index for st in stages for v in st.backward}
     L = len(stages)
@@ -415,6 +429,8 @@ def _milp_front(p: _Problem, *, allow_prev: bool, levels: int, deadline) -> tupl
     r1 = [s.NumVar(0.0, 1.0, "") for _ in range(n)]
     r2 = [s.NumVar(0.0, 1.0 if allow_prev or not p.from_prev[i] else 0.0, "") for i in range(n)]
     for i in range(n):
+        if deadline is not None and i % 256 == 0 and deadline.expired():
+            return [], False  # building the model alone ran out of time (dense blocks)
         k = keep.get(i)
         for r, need in ((r1, p.need1[i]), (r2, p.need2[i])):
             if p.fixed[i]:
@@ -711,14 +727,20 @@ def block_dp(graph: ComputeGraph, budget_bytes: int, *, time_limit: float | None
     >>> simulate(g, s).valid, s.info["blocks"]
     (True, 4)
     """
-    from solver.deadline import Deadline
+    from solver.deadline import Deadline, OutOfTime
 
     deadline = Deadline(time_limit)
     best, best_peak, tried, chains = None, None, 0, []
     for layers in (True, False):
         if chains and time_limit is not None and deadline.left() < 0.5 * float(time_limit):
             break  # the per-stage chain only when time is left
-        chain = block_chain(graph, layers=layers)
+        try:
+            chain = block_chain(graph, layers=layers, deadline=deadline)
+        except OutOfTime as exc:
+            if not chains:
+                raise OutOfTime(f"block_dp: {exc} of {graph.name or 'the graph'}; give more time or use "
+                                "a general method such as 'eviction'") from exc
+            break
         if not chains and chain.repeats < min_repeats:
             raise NoScheduleFound(f"block_dp: no block of {graph.name or 'the graph'} repeats {min_repeats} "
                                   f"times (at most {chain.repeats}); pass min_repeats=0 to run it anyway")
