@@ -212,7 +212,7 @@ def stage_lp_bound(graph: ComputeGraph, budget_bytes: int, *, stages: int = STAG
                    boundaries: list | None = None, time_limit: float | None = None,
                    kept: dict | None = None, integral: bool = False,
                    solution: dict | None = None, hold: dict | None = None,
-                   hint: dict | None = None) -> float | None:
+                   hint: dict | None = None, reference: tuple | None = None) -> float | None:
     """A lower bound on the cost of any schedule whose first computations follow the
     reference order: the linear relaxation of the schedule at a few steps (stages).
 
@@ -301,7 +301,7 @@ def stage_lp_bound(graph: ComputeGraph, budget_bytes: int, *, stages: int = STAG
     from solver.deadline import Deadline
 
     deadline = Deadline(time_limit)
-    ops, index, size, last_read = _reference(graph)
+    ops, index, size, last_read = reference or _reference(graph)
     nodes = graph.nx.nodes
     n = len(ops)
     base = float(sum(nodes[v]["time"] for v in ops))
@@ -562,11 +562,11 @@ EARLY_LPS = 4
 INTEGRAL_SECONDS = 2.0
 
 
-def worst_step(graph: ComputeGraph, budget_bytes: int):
+def worst_step(graph: ComputeGraph, budget_bytes: int, reference: tuple | None = None):
     """The op whose first computation is most over ``budget_bytes`` when the reference
     order runs store-all (projections of multi-output ops excluded), or None when every
-    step fits."""
-    ops, index, size, last_read = _reference(graph)
+    step fits (``reference``: :func:`_reference`'s figures, when the caller has them)."""
+    ops, index, size, last_read = reference or _reference(graph)
     excess = _excess(graph, ops, index, size, last_read, int(budget_bytes) - graph.fixed_bytes)
     over = [t for t in range(len(ops)) if excess[t] > 0 and graph[ops[t]].get("group") is None]
     return ops[max(over, key=lambda t: (excess[t], -t))] if over else None

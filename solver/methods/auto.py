@@ -399,7 +399,7 @@ def solve_auto(graph: ComputeGraph, budget: int, *, time_limit: float | None = N
                     name="staged_free")
         # 4. order search where order freedom matters: forward-only graphs, or when a
         #    low-memory order beats the reference peak
-        if extra() and (has_time() or best[0] is None):
+        if extra() and (has_time() or (best[0] is None and left() > 0)):
             free_peak = min(order_peak(ix, min_memory_order(ix, tie=t)) for t in ("ref", "depth"))
             matters = not training or n <= SMALL_OPS or free_peak < ref_peak * (1 - ORDER_GAIN)
             if matters:
@@ -409,7 +409,7 @@ def solve_auto(graph: ComputeGraph, budget: int, *, time_limit: float | None = N
                     time_limit=max(0.3, min(cap_s, share * left())))
             else:
                 tried["order_search"] = "skipped: reordering does not lower the peak"
-        if best[0] is None:
+        if best[0] is None and (unlimited or _time.perf_counter() < t0 + limit):
             seq = min_peak_sequence(ix, budget, deadline=t0 + limit)
             if seq is not None:
                 consider("min_peak", Schedule(sequence=[ix.ids[i] for i in seq], method="min_peak",

@@ -71,17 +71,20 @@ def lp_eviction(graph: ComputeGraph, budget_bytes: int, *, time_limit: float | N
     >>> r = simulate(g, s); r.valid and r.peak_bytes <= 8
     True
     """
-    from solver.bounds import stage_lp_bound, worst_step
+    from solver.bounds import _reference, stage_lp_bound, worst_step
 
     t0 = _time.perf_counter()
     deadline = None if time_limit is None else t0 + time_limit
     ix = IndexedGraph.of(graph)
     live: dict = {}
-    step = worst_step(graph, budget_bytes)
+    reference = _reference(graph)  # one pass over the edges for both (seconds on dense graphs)
+    step = worst_step(graph, budget_bytes, reference)
     bound = None
     if step is not None:
         lp_time = None if time_limit is None else 0.5 * time_limit
-        bound = stage_lp_bound(graph, budget_bytes, boundaries=[step], time_limit=lp_time, kept=live)
+        if deadline is None or _time.perf_counter() < t0 + lp_time:  # (the setup may take that on dense graphs)
+            bound = stage_lp_bound(graph, budget_bytes, boundaries=[step], time_limit=lp_time, kept=live,
+                                   reference=reference)
     if bound is not None and math.isinf(bound):
         raise NoScheduleFound(f"no schedule of {graph.name or 'the graph'} that keeps the reference order fits "
                               f"{budget_bytes} B (the stage LP is infeasible); try method='order_search'")

@@ -181,7 +181,8 @@ def hierarchical(graph: ComputeGraph, budget_bytes: int, *, time_limit: float | 
     Raises
     ------
     NoScheduleFound
-        The coarse solve found nothing.
+        Neither the coarse solve nor, in the time left after it, the solve of the
+        original graph found a schedule.
 
     Notes
     -----
@@ -208,10 +209,12 @@ def hierarchical(graph: ComputeGraph, budget_bytes: int, *, time_limit: float | 
         try:
             # a bound on the coarse graph is no bound on the original: skip it
             inner = solve_auto(c.graph, int(budget_bytes),
-                               time_limit=None if time_limit is None else COARSE_SHARE * float(time_limit),
+                               time_limit=None if time_limit is None else COARSE_SHARE * max(0.0, deadline.left()),
                                **{**options, "bound": False})
             grade(c.graph, inner, int(budget_bytes))
         except (NoScheduleFound, SolverError) as exc:
+            if deadline.expired():
+                raise  # nothing of the limit is left for the original graph
             # the fused workspaces are conservative: fall back to the original graph
             log.debug("coarse solve of %s failed (%s); solving the original graph", graph.name, exc)
             c = Coarsening(graph, {v: [v] for v in graph.order})

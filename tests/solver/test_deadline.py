@@ -94,6 +94,26 @@ def test_every_method_keeps_its_time_limit_where_it_finds_little(method):
         assert simulate(g, out).peak_bytes <= budget
 
 
+@pytest.fixture(scope="module")
+def dense_graph():
+    # 2,000 ops and 450,000 edges: passes over the edges take seconds here
+    g = random_training_graph(1000, p=0.3, seed=0)
+    return g, int(0.5 * simulate(g, g.order).peak_bytes)
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("method", LIMITED)
+def test_every_method_keeps_its_time_limit_on_a_dense_graph_of_thousands_of_ops(method, dense_graph):
+    # block_dp looked for its chain of blocks (7 s) and chen_greedy summed every stage's
+    # bytes once per threshold (7.6 s) with no regard for the limit; auto then ran the
+    # order search's check and the low-memory recipe with no time left (3.2 s)
+    g, budget = dense_graph
+    out, elapsed = _timed(get_method(method).fn, g, budget, time_limit=LIMIT)
+    assert elapsed <= LIMIT + SLACK, f"{method} took {elapsed:.2f} s for a limit of {LIMIT} s"
+    if not isinstance(out, NoScheduleFound):
+        assert simulate(g, out).peak_bytes <= budget
+
+
 def test_hierarchical_keeps_its_time_limit_when_the_coarse_solve_finds_nothing(monkeypatch):
     # the coarse graph's fused workspaces are conservative: where its solve finds nothing
     # in its time, the original graph is solved in what is left, not in a second limit
