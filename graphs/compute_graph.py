@@ -220,6 +220,37 @@ class ComputeGraph:
         data = self.nx._node
         return [v for v in self.nx._succ[node] if data[v]["kind"] == "op"]
 
+    def without_edges(self, edges: Iterable[tuple[Hashable, Hashable]]) -> "ComputeGraph":
+        """The graph without ``edges``, to be read only.
+
+        It shares the node data, and the neighbour maps of the nodes no removed edge
+        touches, with this graph: O(nodes + the touched nodes' degrees), where a copy
+        is O(nodes + edges) (seconds on dense graphs of thousands of ops).
+
+        Examples
+        --------
+        >>> g = ComputeGraph()
+        >>> for v in "abc": g.add_node(v, bytes=1, time=1.0)
+        >>> g.add_edge("a", "b"); g.add_edge("b", "c"); g.add_edge("a", "c")
+        >>> h = g.without_edges([("a", "c")])
+        >>> h.op_preds("c"), g.op_preds("c")
+        (['b'], ['b', 'a'])
+        """
+        out: dict[Hashable, set] = {}
+        into: dict[Hashable, set] = {}
+        for u, v in edges:
+            out.setdefault(u, set()).add(v)
+            into.setdefault(v, set()).add(u)
+        g = nx.DiGraph()
+        g.graph.update(self.nx.graph)
+        succ, pred = dict(self.nx._succ), dict(self.nx._pred)
+        for u, gone in out.items():
+            succ[u] = {w: d for w, d in succ[u].items() if w not in gone}
+        for v, gone in into.items():
+            pred[v] = {w: d for w, d in pred[v].items() if w not in gone}
+        g._node, g._adj, g._succ, g._pred = self.nx._node, succ, succ, pred
+        return ComputeGraph(g, name=self.name, order=list(self.order), meta=dict(self.meta))
+
     @property
     def fixed_bytes(self) -> int:
         """Bytes resident for the whole step: sources plus ``meta['extra_fixed_bytes']``

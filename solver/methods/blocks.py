@@ -297,9 +297,7 @@ def block_chain(graph: ComputeGraph, *, layers: bool = True, deadline=None) -> B
     tied = [(u, w) for w in graph.ops if graph[w].get("op") == "tangent" for u in graph.op_preds(w)]
     view = graph
     if shared or tied:
-        g = graph.nx.copy()
-        g.remove_edges_from([(u, w) for u in shared for w in list(graph.nx.successors(u))] + tied)
-        view = ComputeGraph(g, name=graph.name, order=list(graph.order), meta=dict(graph.meta))
+        view = graph.without_edges([(u, w) for u in shared for w in graph.nx.successors(u)] + tied)
     deadline.check("looking for the chain of blocks")
     stages = forward_stages(view)  # NoScheduleFound when forward reads backward values
     deadline.check("looking for the chain of blocks")

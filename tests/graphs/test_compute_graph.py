@@ -242,3 +242,22 @@ def test_every_public_benchmark_graph_loads(name):
     g = ComputeGraph.load(BENCHMARK_GRAPHS / f"{name}.json")
     assert len(g.order) == len(g) > 40
     assert all(g[v]["bytes"] >= 0 and math.isfinite(g[v]["time"]) for v in g.order)
+
+
+@pytest.mark.parametrize("seed", range(4))
+def test_a_graph_without_some_edges_reads_as_a_copy_with_them_removed(seed):
+    import random
+
+    g = random_training_graph(30, p=0.3, seed=seed)
+    rng = random.Random(seed)
+    sources = rng.sample(g.ops, 5)
+    gone = [(u, w) for u in sources for w in g.nx.successors(u)] + rng.sample(list(g.nx.edges()), 20)
+    before = set(g.nx.edges())
+    view = g.without_edges(gone)
+    copied = g.nx.copy()
+    copied.remove_edges_from(gone)
+    assert set(view.nx.edges()) == set(copied.edges()) and set(g.nx.edges()) == before
+    for v in g.nx.nodes:
+        assert set(view.op_preds(v)) == {u for u in copied.predecessors(v) if copied.nodes[u]["kind"] == "op"}
+        assert set(view.op_succs(v)) == {w for w in copied.successors(v) if copied.nodes[w]["kind"] == "op"}
+    assert view.order == g.order and view.ops == g.ops and view.fixed_bytes == g.fixed_bytes
