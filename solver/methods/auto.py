@@ -352,7 +352,7 @@ def solve_auto(graph: ComputeGraph, budget: int, *, time_limit: float | None = N
     else:
         # 2. eviction on the reference order: fast, near-optimal on training graphs
         run("eviction", "DTR-style eviction on the reference order",
-            time_limit=max(0.1, min(1.0 if unlimited else 2.0, 0.2 * limit)))
+            time_limit=max(0.1, min(1.0 if unlimited else 2.0, 0.2 * limit)), ix=ix)
         # 2b. with a time limit, on training graphs past STAGE_MILP_MAX_OPS ops: the
         #     first stage program's plan, repaired (one round of stage_milp; on 32-layer
         #     captures, within 0.3-5 % of its bound in 1-3 s, where the heuristics below
@@ -368,7 +368,7 @@ def solve_auto(graph: ComputeGraph, budget: int, *, time_limit: float | None = N
         # 3b. eviction guided by the stage LP's plan at the step most over the budget
         if training and extra() and not close_enough():
             run("lp_eviction", "eviction guided by the stage LP's relaxed plan",
-                time_limit=max(0.3, min(LP_EVICTION_SECONDS, 0.5 * left()) if unlimited else 0.6 * left()))
+                time_limit=max(0.3, min(LP_EVICTION_SECONDS, 0.5 * left()) if unlimited else 0.6 * left()), ix=ix)
         # 3c. with a time limit, the 0/1 stage program, solved, as a schedule and a bound
         #     at once (the captured U-Net at 0.7x: optimal in seconds, where the
         #     heuristics and the search stop 14 % above the bound; the captured Llama at
@@ -379,7 +379,7 @@ def solve_auto(graph: ComputeGraph, budget: int, *, time_limit: float | None = N
         #     over the budget (GPT-style LMs at 0.5x-0.7x: cheaper than lp_eviction)
         if training and extra() and not close_enough() and left() > MIN_SLICE and n <= STAGED_MAX_OPS:
             run("cover", "the backward keeps what a covering MILP over the steps over the budget keeps",
-                time_limit=max(0.3, min(COVER_SECONDS, 0.3 * left())))
+                time_limit=max(0.3, min(COVER_SECONDS, 0.3 * left())), ix=ix)
         # 3e. exact layer blocks composed over the chain of blocks
         if training and extra() and not close_enough() and has_time():
             run("block_dp", "each distinct layer block solved exactly, composed by a DP over the chain",

@@ -309,13 +309,13 @@ def lns(graph: ComputeGraph, budget_bytes: int, *, time_limit: float | None = No
 
     if graph.backward_nodes():
         try:
-            s = cover(graph, budget_bytes, time_limit=COVER_SHARE * left())
+            s = cover(graph, budget_bytes, time_limit=COVER_SHARE * left(), ix=ix)
             starts.append((simulate(graph, s).cost, "cover", s.sequence))
         except NoScheduleFound:
             pass
     if not starts or left() > 0:
         try:
-            s = lp_eviction(graph, budget_bytes, time_limit=left() if starts else max(left(), 0.5 * limit))
+            s = lp_eviction(graph, budget_bytes, time_limit=left() if starts else max(left(), 0.5 * limit), ix=ix)
             starts.append((simulate(graph, s).cost, "lp_eviction", s.sequence))
             bound = s.lower_bound
         except NoScheduleFound:
