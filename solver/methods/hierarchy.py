@@ -62,7 +62,7 @@ def coarsen(graph: ComputeGraph, *, max_run: int = 64) -> Coarsening:
     -------
     Coarsening
         The coarse graph keeps the id of each run's last member; ``members`` maps it to
-        the run.
+        the run. Where no run has two ops, the coarse graph is ``graph`` itself.
 
     Notes
     -----
@@ -101,6 +101,8 @@ def coarsen(graph: ComputeGraph, *, max_run: int = 64) -> Coarsening:
         if v is not None:
             nxt[u] = v
             has_prev.add(v)
+    if not nxt:  # nothing to fuse: the graph is its own coarse graph
+        return Coarsening(graph, {v: [v] for v in order})
     members: dict[Hashable, list[Hashable]] = {}
     head_of: dict[Hashable, Hashable] = {}
     for u in order:
@@ -133,11 +135,8 @@ def coarsen(graph: ComputeGraph, *, max_run: int = 64) -> Coarsening:
                 data.pop(key, None)
         data["members"] = len(run)
         cg.add_node(last, **data)
-    for u, v in g.edges:
-        cu = head_of.get(u, u)
-        cv = head_of.get(v, v)
-        if cu != cv:
-            cg.add_edge(cu, cv)
+    cg.add_edges_from((cu, cv) for cu, cv in ((head_of.get(u, u), head_of.get(v, v)) for u, v in g.edges)
+                      if cu != cv)
     corder = [head_of[v] for v in order if head_of[v] == v]
     coarse = ComputeGraph(cg, name=f"{graph.name}/coarse", order=corder, meta=dict(graph.meta))
     return Coarsening(coarse, members)
@@ -200,7 +199,7 @@ def hierarchical(graph: ComputeGraph, budget_bytes: int, *, time_limit: float | 
     from solver.methods.auto import solve_auto
     from solver.grading import grade
 
-    from solver.deadline import Deadline
+    from solver.deadline import Deadline, OutOfTime
     from solver.errors import NoScheduleFound, SolverError
 
     deadline = Deadline(time_limit)
@@ -219,6 +218,9 @@ def hierarchical(graph: ComputeGraph, budget_bytes: int, *, time_limit: float | 
             log.debug("coarse solve of %s failed (%s); solving the original graph", graph.name, exc)
             c = Coarsening(graph, {v: [v] for v in graph.order})
     if c.fused == 0:
+        if deadline.expired():
+            raise OutOfTime(f"hierarchical: the time limit passed while coarsening {graph.name or 'the graph'}; "
+                            "give more time")
         inner = solve_auto(graph, int(budget_bytes),
                            time_limit=None if time_limit is None else max(0.1, deadline.left()), **options)
         seq = list(inner.sequence)
