@@ -298,7 +298,6 @@ def block_chain(graph: ComputeGraph, *, layers: bool = True, deadline=None) -> B
     view = graph
     if shared or tied:
         view = graph.without_edges([(u, w) for u in shared for w in graph.nx.successors(u)] + tied)
-    deadline.check("looking for the chain of blocks")
     stages = forward_stages(view)  # NoScheduleFound when forward reads backward values
     deadline.check("looking for the chain of blocks")
     if len(stages) < 2:

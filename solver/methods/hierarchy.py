@@ -167,8 +167,8 @@ def hierarchical(graph: ComputeGraph, budget_bytes: int, *, time_limit: float | 
     graph : ComputeGraph
     budget_bytes : int
     time_limit : float, optional
-        Seconds in all: the coarse solve gets :data:`COARSE_SHARE` of them, and where it
-        finds nothing, the solve of the original graph the rest.
+        Seconds in all: the coarse solve gets :data:`COARSE_SHARE` of those left after
+        coarsening, and where it finds nothing, the solve of the original graph the rest.
     **options
         Passed to the coarse solve.
 

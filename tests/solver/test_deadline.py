@@ -96,7 +96,7 @@ def test_every_method_keeps_its_time_limit_where_it_finds_little(method):
 
 @pytest.fixture(scope="module")
 def dense_graph():
-    # 2,000 ops and 450,000 edges: passes over the edges take seconds here
+    # 2,000 ops and 450,000 edges: one pass over the edges takes about half a second here
     g = random_training_graph(1000, p=0.3, seed=0)
     return g, int(0.5 * simulate(g, g.order).peak_bytes)
 
