@@ -20,11 +20,14 @@ Pure graph math; no torch.
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from typing import Hashable, Iterable, Sequence
+from typing import TYPE_CHECKING, Hashable, Iterable, Sequence
 
 from graphs import BACKWARD_START, ComputeGraph
 from solver.errors import NoScheduleFound
 from solver.simulate import simulate
+
+if TYPE_CHECKING:
+    from solver.deadline import Deadline
 
 __all__ = [
     "group_projection_runs",
@@ -255,6 +258,7 @@ def sequence_from_keep(
     *,
     order: Sequence[Hashable] | None = None,
     regions: dict[Hashable, int] | None = None,
+    deadline: "Deadline | None" = None,
 ) -> list:
     """Build a sequence that keeps ``keep`` and recomputes the other forward values.
 
@@ -278,6 +282,10 @@ def sequence_from_keep(
     regions : dict, optional
         Node -> non-decreasing region number along ``order`` (default: 0 before the
         first backward op, 1 from it on). See :func:`stage_regions`.
+    deadline : solver.deadline.Deadline, optional
+        Checked as the sequence grows (:class:`~solver.deadline.OutOfTime` once past):
+        the sequence of a plan that recomputes much is long (O(n^2) for a chain of n
+        stages that keeps nothing).
 
     Returns
     -------
@@ -317,6 +325,8 @@ def sequence_from_keep(
         r = regions[v]
         missing = [u for u in graph.op_preds(v) if avail.get(u) not in (_KEPT, r)]
         if missing:
+            if deadline is not None:
+                deadline.check("building a plan's sequence")
             _recompute(graph, missing, r, avail, seq)
         seq.append(v)
         avail[v] = tag(v, r)
@@ -365,10 +375,14 @@ def cheapest_fitting(
     budget_bytes: int,
     *,
     method: str,
+    deadline: "Deadline | None" = None,
 ) -> tuple[list, dict]:
     """The cheapest candidate sequence whose simulated peak fits the budget.
 
     Every candidate is graded by :func:`solver.simulate`; ties go to the lower peak.
+    With a ``deadline``, the candidates are taken until it passes (a candidate that
+    builds its sequence with the same deadline stops there too), and the cheapest that
+    fits among those is the answer.
 
     Parameters
     ----------
@@ -378,17 +392,20 @@ def cheapest_fitting(
     budget_bytes : int
     method : str
         Named in the error message.
+    deadline : solver.deadline.Deadline, optional
+        When to stop taking candidates.
 
     Returns
     -------
     (sequence, info)
-        ``info`` gains ``"candidates"``, the number of settings tried.
+        ``info`` gains ``"candidates"``, the number of settings tried, and with a
+        deadline that passed first, ``"complete": False``.
 
     Raises
     ------
     NoScheduleFound
         No candidate is valid and within the budget; ``best_peak`` is the smallest
-        valid peak seen.
+        valid peak seen. When the deadline passed first, the message says so.
 
     Examples
     --------
@@ -398,12 +415,26 @@ def cheapest_fitting(
     >>> info["k"], info["candidates"]
     (0, 1)
     """
+    from solver.deadline import OutOfTime
+
     best = None
     best_peak = None
     tried = 0
-    for seq, info in candidates:
-        tried += 1
-        r = simulate(graph, seq)
+    timed_out = False
+    it = iter(candidates)
+    while True:
+        try:
+            if deadline is not None:
+                deadline.check("trying settings")
+            item = next(it, None)
+            if item is None:
+                break
+            seq, info = item
+            tried += 1
+            r = simulate(graph, seq, deadline=deadline)
+        except OutOfTime:
+            timed_out = True
+            break
         if not r.valid:
             continue
         if best_peak is None or r.peak_bytes < best_peak:
@@ -415,13 +446,17 @@ def cheapest_fitting(
     if best is None:
         raise NoScheduleFound(
             f"{method}: none of its {tried} settings fits {budget_bytes} B"
+            + (" (the time limit passed before it could try more)" if timed_out else "")
             + (f" (its smallest peak is {best_peak} B)" if best_peak is not None else "")
-            + "; raise the budget or use a general method such as 'eviction' or 'checkmate_milp'",
+            + ("; give a longer time_limit, raise the budget or use a general method such as 'eviction'"
+               if timed_out else "; raise the budget or use a general method such as 'eviction' or 'checkmate_milp'"),
             best_peak=best_peak,
         )
     _, seq, info = best
     info = dict(info)
     info["candidates"] = tried
+    if timed_out:
+        info["complete"] = False
     return seq, info
 
 

@@ -28,12 +28,15 @@ Complexity: O(len(sequence) x mean in-degree).
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from typing import Hashable, Sequence
+from typing import TYPE_CHECKING, Hashable, Sequence
 
 import numpy as np
 
 from graphs import ComputeGraph
 from solver.schedule import Schedule
+
+if TYPE_CHECKING:
+    from solver.deadline import Deadline
 
 __all__ = ["SimulationResult", "simulate"]
 
@@ -88,6 +91,7 @@ def simulate(
     schedule: Schedule | Sequence[Hashable],
     *,
     bandwidth: float | None = None,
+    deadline: "Deadline | None" = None,
 ) -> SimulationResult:
     """Replay a schedule under the memory model and grade it.
 
@@ -99,6 +103,9 @@ def simulate(
     bandwidth : float, optional
         Host link bytes per time unit, needed when the schedule offloads (defaults to
         ``schedule.bandwidth``).
+    deadline : solver.deadline.Deadline, optional
+        Checked every few thousand steps: a method that grades its candidates under a
+        time limit stops a long replay with :class:`~solver.deadline.OutOfTime`.
 
     Returns
     -------
@@ -140,6 +147,8 @@ def simulate(
     ops_set = graph.ops_set
 
     for t, v in enumerate(sequence):
+        if deadline is not None and t & 4095 == 4095:
+            deadline.check("replaying a schedule")
         if v not in nodes:
             error = error or f"step {t}: unknown node {v!r}"
             occ_at_step.append(-1)
@@ -231,6 +240,8 @@ def simulate(
                         )
 
     # sweep memory with a difference array
+    if deadline is not None:
+        deadline.check("replaying a schedule")
     delta = np.zeros(n_steps + 1, dtype=np.int64)
     for k in range(len(occ_start)):
         b = int(nodes[occ_node[k]]["bytes"])
@@ -244,9 +255,16 @@ def simulate(
             delta[lo2] -= b
             delta[hi2 + 1] += b
     curve = np.cumsum(delta[:n_steps]) + fixed
-    runs = [_continues_run(nodes, sequence, t) for t in range(n_steps)]
-    compute = np.array([_time(nodes, sequence[t], runs[t]) for t in range(n_steps)], dtype=float)
-    workspace = np.array([_workspace(nodes, sequence[t], runs[t]) for t in range(n_steps)], dtype=np.int64)
+    times: list[float] = []
+    spaces: list[int] = []
+    for t in range(n_steps):
+        if deadline is not None and t & 4095 == 4095:
+            deadline.check("replaying a schedule")
+        run = _continues_run(nodes, sequence, t)
+        times.append(_time(nodes, sequence[t], run))
+        spaces.append(_workspace(nodes, sequence[t], run))
+    compute = np.array(times, dtype=float)
+    workspace = np.array(spaces, dtype=np.int64)
     curve = curve + workspace
     if offloads and bandwidth:
         step_cost = np.maximum(compute, np.maximum(d2h, h2d) / bandwidth)

@@ -25,6 +25,7 @@ from solver.plans import (
     sequence_from_keep,
     stage_regions,
 )
+from solver.deadline import Deadline
 from solver.errors import NoScheduleFound
 from solver.registry import register
 from solver.simulate import simulate
@@ -64,6 +65,16 @@ def _stages_or_none(graph: ComputeGraph):
     return stages or None
 
 
+#: Share of ``time_limit`` in which a baseline builds and grades its settings: the judge
+#: grades the one returned again (as long as that setting's own replay, at most).
+WORK_SHARE = 0.5
+
+
+def _work(time_limit) -> Deadline | None:
+    """The deadline of a baseline's settings (None without a time limit)."""
+    return None if time_limit is None else Deadline(WORK_SHARE * float(time_limit))
+
+
 def _schedule(name: str, seq: list, info: dict) -> Schedule:
     info = dict(info)
     info.setdefault("order", "fixed")
@@ -87,7 +98,8 @@ def checkpoint_all(graph: ComputeGraph, budget_bytes: int, *, time_limit=None, *
     graph : ComputeGraph
     budget_bytes : int
     time_limit : float, optional
-        Unused (the method answers at once).
+        Seconds; half of them for building and grading its one sequence, which on a
+        long chain is long (O(S^2) steps for S stages).
 
     Returns
     -------
@@ -96,7 +108,7 @@ def checkpoint_all(graph: ComputeGraph, budget_bytes: int, *, time_limit=None, *
     Raises
     ------
     NoScheduleFound
-        Its one schedule does not fit.
+        Its one schedule does not fit, or could not be built and graded in the time.
 
     Examples
     --------
@@ -104,21 +116,39 @@ def checkpoint_all(graph: ComputeGraph, budget_bytes: int, *, time_limit=None, *
     >>> checkpoint_all(training_chain(3), 100).sequence.count("f0")
     4
     """
+    work = _work(time_limit)
     stages = _stages_or_none(graph)
     if stages is None:
         cands = [_store_all_candidate(graph)]
     else:
-        seq = sequence_from_keep(graph, set(), regions=stage_regions(graph, stages))
-        cands = [(seq, {"plan": "checkpoint_all", "stages": len(stages)})]
-    seq, info = cheapest_fitting(graph, cands, budget_bytes, method="checkpoint_all")
+        def one():
+            yield (sequence_from_keep(graph, set(), regions=stage_regions(graph, stages), deadline=work),
+                   {"plan": "checkpoint_all", "stages": len(stages)})
+        cands = one()
+    seq, info = cheapest_fitting(graph, cands, budget_bytes, method="checkpoint_all", deadline=work)
     return _schedule("checkpoint_all", seq, info)
 
 
-def _every_k_candidates(graph, stages, ks) -> Iterator[tuple[list, dict]]:
+def _every_k_candidates(graph, stages, ks, deadline=None) -> Iterator[tuple[list, dict]]:
     for k in ks:
         keep = _keep_every(stages, k)
-        yield sequence_from_keep(graph, keep), {"plan": "every_k", "k": k, "checkpoints": len(keep),
-                                                 "stages": len(stages)}
+        yield sequence_from_keep(graph, keep, deadline=deadline), {"plan": "every_k", "k": k,
+                                                                    "checkpoints": len(keep),
+                                                                    "stages": len(stages)}
+
+
+def _outward(count: int) -> list[int]:
+    """1..count, starting at Chen's segment length for ``count`` stages and going
+    outward (the settings most likely to fit a tight budget first).
+
+    >>> _outward(9)
+    [3, 2, 4, 1, 5, 6, 7, 8, 9]
+    """
+    c = math.ceil(count / math.ceil(math.sqrt(count)))
+    out = [c]
+    for d in range(1, count):
+        out += [k for k in (c - d, c + d) if 1 <= k <= count]
+    return out
 
 
 @register("every_k", family="baseline", order="fixed")
@@ -130,7 +160,10 @@ def every_k(graph: ComputeGraph, budget_bytes: int, *, time_limit=None, k: int |
     graph : ComputeGraph
     budget_bytes : int
     time_limit : float, optional
-        Unused.
+        Seconds; the settings are built and graded in half of them, from Chen's
+        ``k`` (about the square root of the number of stages) outward, and the cheapest
+        that fits among those tried is the answer (``info["complete"]`` is False when
+        the time ran out first).
     k : int, optional
         Stages per segment. Default: try every ``k`` from 1 to the number of stages and
         return the cheapest schedule that fits.
@@ -149,7 +182,7 @@ def every_k(graph: ComputeGraph, budget_bytes: int, *, time_limit=None, k: int |
 
     Notes
     -----
-    O(S) simulations for S stages when ``k`` is not given.
+    O(S) simulations for S stages when ``k`` is not given (O(S^2 x stage size) in all).
 
     Examples
     --------
@@ -159,13 +192,17 @@ def every_k(graph: ComputeGraph, budget_bytes: int, *, time_limit=None, k: int |
     """
     if k is not None and int(k) < 1:
         raise ValueError(f"every_k needs k >= 1, got {k!r}")
+    work = _work(time_limit)
     stages = _stages_or_none(graph)
     if stages is None:
         cands = [_store_all_candidate(graph)]
     else:
-        ks = [int(k)] if k is not None else range(1, len(stages) + 1)
-        cands = _every_k_candidates(graph, stages, ks)
-    seq, info = cheapest_fitting(graph, cands, budget_bytes, method="every_k")
+        if k is not None:
+            ks = [int(k)]
+        else:
+            ks = range(1, len(stages) + 1) if work is None else _outward(len(stages))
+        cands = _every_k_candidates(graph, stages, ks, deadline=work)
+    seq, info = cheapest_fitting(graph, cands, budget_bytes, method="every_k", deadline=work)
     return _schedule("every_k", seq, info)
 
 
@@ -182,7 +219,7 @@ def chen_sqrt(graph: ComputeGraph, budget_bytes: int, *, time_limit=None, **_) -
     graph : ComputeGraph
     budget_bytes : int
     time_limit : float, optional
-        Unused.
+        Seconds; its two settings are built and graded in half of them.
 
     Returns
     -------
@@ -191,7 +228,7 @@ def chen_sqrt(graph: ComputeGraph, budget_bytes: int, *, time_limit=None, **_) -
     Raises
     ------
     NoScheduleFound
-        Neither store-all nor the sqrt plan fits.
+        Neither store-all nor the sqrt plan fits (in the time).
 
     Examples
     --------
@@ -200,13 +237,18 @@ def chen_sqrt(graph: ComputeGraph, budget_bytes: int, *, time_limit=None, **_) -
     >>> s.info["plan"], s.info["k"]
     ('chen_sqrt', 3)
     """
+    work = _work(time_limit)
     stages = _stages_or_none(graph)
-    cands = [_store_all_candidate(graph)]
-    if stages is not None:
-        n = len(stages)
-        k = math.ceil(n / math.ceil(math.sqrt(n)))
-        cands += [(seq, dict(info, plan="chen_sqrt")) for seq, info in _every_k_candidates(graph, stages, [k])]
-    seq, info = cheapest_fitting(graph, cands, budget_bytes, method="chen_sqrt")
+
+    def cands():
+        yield _store_all_candidate(graph)
+        if stages is not None:
+            n = len(stages)
+            k = math.ceil(n / math.ceil(math.sqrt(n)))
+            for seq, info in _every_k_candidates(graph, stages, [k], deadline=work):
+                yield seq, dict(info, plan="chen_sqrt")
+
+    seq, info = cheapest_fitting(graph, cands(), budget_bytes, method="chen_sqrt", deadline=work)
     return _schedule("chen_sqrt", seq, info)
 
 
@@ -249,7 +291,9 @@ def chen_greedy(
     graph : ComputeGraph
     budget_bytes : int
     time_limit : float, optional
-        Unused.
+        Seconds; the thresholds are built and graded in half of them, the smallest
+        first, and the cheapest plan that fits among those tried is the answer
+        (``info["complete"]`` is False when the time ran out first).
     thresholds : int
         Grid points of the threshold search.
 
@@ -274,9 +318,11 @@ def chen_greedy(
     >>> s.info["plan"], s.info["checkpoints"] > 0
     ('chen_greedy', True)
     """
+    work = _work(time_limit)
     stages = _stages_or_none(graph)
     if stages is None:
-        seq, info = cheapest_fitting(graph, [_store_all_candidate(graph)], budget_bytes, method="chen_greedy")
+        seq, info = cheapest_fitting(graph, [_store_all_candidate(graph)], budget_bytes, method="chen_greedy",
+                                     deadline=work)
         return _schedule("chen_greedy", seq, info)
     sizes = [_stage_bytes(graph, st) for st in stages]
     lo, hi = max(1, min(sizes)), max(1, sum(sizes))
@@ -289,8 +335,8 @@ def chen_greedy(
             if keep in seen:
                 continue
             seen.add(keep)
-            yield sequence_from_keep(graph, keep), {"plan": "chen_greedy", "threshold": b,
-                                                    "checkpoints": len(keep), "stages": len(stages)}
+            yield sequence_from_keep(graph, keep, deadline=work), {"plan": "chen_greedy", "threshold": b,
+                                                                   "checkpoints": len(keep), "stages": len(stages)}
 
-    seq, info = cheapest_fitting(graph, cands(), budget_bytes, method="chen_greedy")
+    seq, info = cheapest_fitting(graph, cands(), budget_bytes, method="chen_greedy", deadline=work)
     return _schedule("chen_greedy", seq, info)

@@ -21,7 +21,9 @@ import math
 from functools import lru_cache
 
 from graphs import ComputeGraph
+from solver.deadline import Deadline, OutOfTime
 from solver.errors import NoScheduleFound
+from solver.methods.baselines import WORK_SHARE
 from solver.plans import Stage, cheapest_fitting, forward_stages, has_backward
 from solver.registry import register
 from solver.schedule import Schedule
@@ -103,7 +105,7 @@ def _split(l: int, c: int) -> int:
     return best_j
 
 
-def revolve_actions(l: int, c: int) -> tuple[int | float, list[tuple]]:
+def revolve_actions(l: int, c: int, *, deadline: Deadline | None = None) -> tuple[int | float, list[tuple]]:
     """The optimal number of forward steps and a schedule that reaches it.
 
     Parameters
@@ -112,6 +114,8 @@ def revolve_actions(l: int, c: int) -> tuple[int | float, list[tuple]]:
         Chain length: steps ``0 .. l - 1``, step ``i`` maps state ``i`` to ``i + 1``.
     c : int
         Checkpoint slots; state 0 is stored in one of them at the start.
+    deadline : solver.deadline.Deadline, optional
+        Checked at each action (:class:`~solver.deadline.OutOfTime` once past).
 
     Returns
     -------
@@ -141,6 +145,8 @@ def revolve_actions(l: int, c: int) -> tuple[int | float, list[tuple]]:
     # explicit stack of (start, length, slots) work items and ("free", b) markers
     stack: list = [("rev", 0, l, c)]
     while stack:
+        if deadline is not None:
+            deadline.check("planning revolve's actions")
         item = stack.pop()
         if item[0] == "free":
             actions.append(item)
@@ -164,7 +170,7 @@ def revolve_actions(l: int, c: int) -> tuple[int | float, list[tuple]]:
     return steps, actions
 
 
-def stage_sequence(stages: list[Stage], actions: list[tuple]) -> list:
+def stage_sequence(stages: list[Stage], actions: list[tuple], *, deadline: Deadline | None = None) -> list:
     """Turn revolve actions over the stage chain into an op sequence.
 
     ``advance`` runs the stages' forward ops; ``reverse`` runs a stage's forward ops then
@@ -180,6 +186,8 @@ def stage_sequence(stages: list[Stage], actions: list[tuple]) -> list:
     """
     seq: list = []
     for a in actions:
+        if deadline is not None:
+            deadline.check("building revolve's sequence")
         if a[0] == "advance":
             for i in range(a[1], a[2]):
                 seq.extend(stages[i].forward)
@@ -202,7 +210,9 @@ def revolve(graph: ComputeGraph, budget_bytes: int, *, time_limit=None, slots: i
     graph : ComputeGraph
     budget_bytes : int
     time_limit : float, optional
-        Unused.
+        Seconds; the search builds and grades its settings in half of them and returns
+        the most slots found to fit (``info["complete"]`` is False when the time ran
+        out first).
     slots : int, optional
         Use exactly this many checkpoint slots.
 
@@ -230,11 +240,13 @@ def revolve(graph: ComputeGraph, budget_bytes: int, *, time_limit=None, slots: i
     stages = forward_stages(graph)
     n = len(stages)
 
+    work = None if time_limit is None else Deadline(WORK_SHARE * float(time_limit))
+
     @lru_cache(maxsize=None)
     def build(c: int):
-        steps, actions = revolve_actions(n, c)
-        seq = stage_sequence(stages, actions)
-        r = simulate(graph, seq)
+        steps, actions = revolve_actions(n, c, deadline=work)
+        seq = stage_sequence(stages, actions, deadline=work)
+        r = simulate(graph, seq, deadline=work)
         return seq, steps, r
 
     def info(c, steps):
@@ -249,22 +261,35 @@ def revolve(graph: ComputeGraph, budget_bytes: int, *, time_limit=None, slots: i
         _, _, r = build(c)
         return r.valid and r.peak_bytes <= budget_bytes
 
-    if fits(n):
-        best = n
-    elif not fits(1):
+    # binary search on the slots, assuming the peak grows with them; one slot (the
+    # longest sequence, O(S^2) steps) is built only when nothing more fits
+    lo, hi = 0, n  # fits(lo) (0: none known), not fits(hi)
+    complete = True
+    try:
+        if fits(n):
+            lo = n
+        else:
+            while hi - lo > 1:
+                mid = (lo + hi) // 2
+                if fits(mid):
+                    lo = mid
+                else:
+                    hi = mid
+    except OutOfTime:
+        complete = False
+        if lo == 0:
+            raise NoScheduleFound(
+                f"revolve: no number of slots it tried before its time limit passed fits {budget_bytes} B "
+                f"({hi} slots do not); give a longer time_limit or use a general method such as 'eviction'"
+            ) from None
+    if lo == 0:
         raise NoScheduleFound(
             f"revolve: even one checkpoint slot peaks at {build(1)[2].peak_bytes} B, over the budget "
             f"of {budget_bytes} B; raise the budget or use a general method such as 'eviction' or 'checkmate_milp'",
             best_peak=min(build(1)[2].peak_bytes, build(n)[2].peak_bytes),
         )
-    else:
-        lo, hi = 1, n  # fits(lo), not fits(hi)
-        while hi - lo > 1:
-            mid = (lo + hi) // 2
-            if fits(mid):
-                lo = mid
-            else:
-                hi = mid
-        best = lo
-    seq, steps, _ = build(best)
-    return Schedule(sequence=seq, method="revolve", info=info(best, steps))
+    seq, steps, _ = build(lo)
+    out = info(lo, steps)
+    if not complete:
+        out["complete"] = False
+    return Schedule(sequence=seq, method="revolve", info=out)
