@@ -51,12 +51,14 @@ from __future__ import annotations
 
 import logging
 import math
+import time as _time
 from dataclasses import dataclass
 from typing import Hashable, Iterable, Sequence
 
 import numpy as np
 
 from graphs import ComputeGraph
+from solver.deadline import Deadline, OutOfTime
 from solver.errors import NoScheduleFound
 from solver.plans import Stage, cheapest_fitting, forced_keep, forward_stages, has_backward
 from solver.registry import register
@@ -70,6 +72,14 @@ log = logging.getLogger(__name__)
 #: Chains of at most this many stages get the program with non-persistent checkpoints
 #: (O(S^5) candidate rows); longer ones the persistent rotor program (O(S^3)).
 FULL_PROGRAM_STAGES = 12
+#: With a time limit, the share of the time left that the persistent program may take;
+#: past it, the chain is merged into fewer, longer stages (the program is O(S^2)
+#: entries) and the program runs again.
+PROGRAM_SHARE = 0.4
+#: With a time limit, the share of the time left for measuring the stages (O(stages x
+#: backward values)); past it, the chain is merged into half as many stages as were
+#: measured in it.
+MODEL_SHARE = 0.3
 
 
 def _local_peak(graph: ComputeGraph, ops: Sequence[Hashable], pre: Iterable[Hashable],
@@ -153,8 +163,10 @@ class ChainModel:
     grad: np.ndarray
 
 
-def chain_model(graph: ComputeGraph, stages: list[Stage] | None = None) -> ChainModel:
-    """Measure each stage of the chain for the dynamic program.
+def chain_model(graph: ComputeGraph, stages: list[Stage] | None = None, *,
+                deadline: Deadline | None = None) -> ChainModel:
+    """Measure each stage of the chain for the dynamic program (with a ``deadline``,
+    checked at each stage: O(stages x backward values) in all).
 
     Examples
     --------
@@ -184,6 +196,8 @@ def chain_model(graph: ComputeGraph, stages: list[Stage] | None = None) -> Chain
         for j in range(lowest + 1, i + 1):
             grad[j] += int(nodes[b]["bytes"])
     for st in stages:
+        if deadline is not None and deadline.expired():
+            raise _Unfinished(st.index)
         i = st.index
         F, B = st.forward, st.backward
         x = st.boundary
@@ -219,16 +233,27 @@ def _read_below(graph, b, i, stage_of_b) -> bool:
     return any(stage_of_b.get(w, -1) < i for w in graph.op_succs(b))
 
 
+class _Unfinished(OutOfTime):
+    """The time ran out after ``pairs`` of the program's ``(s, t)`` entries (of the
+    stages measured, in :func:`chain_model`)."""
+
+    def __init__(self, pairs: int) -> None:
+        super().__init__(f"the time limit passed while filling the chain program ({pairs} entries)")
+        self.pairs = pairs
+
+
 class _Program:
     """The table of the dynamic program: ``cost[s, t, f, m]`` is the least time to run
     the backward of stages ``s..t`` from the stored input of ``s`` within ``m`` slots
     above what is live outside (``f = 1``: the boundary of ``t`` is already computed and
     held; the subproblem counts it until the backward of ``t`` has read it)."""
 
-    def __init__(self, model: ChainModel, unit: int, slots: int) -> None:
+    def __init__(self, model: ChainModel, unit: int, slots: int, deadline: Deadline | None = None) -> None:
         self.model = model
         self.unit = unit
         self.slots = slots
+        self.deadline = deadline
+        self.pairs = 0  # (s, t) entries filled so far
         L = len(model.stages)
         M = slots + 1
         self.cost = np.full((L, L, 2, M + 1), np.inf)  # column 0: "below zero", always inf
@@ -249,6 +274,9 @@ class _Program:
         # chain peak of running stages s..s'-1 keeping only boundaries
         for d in range(L):
             for s in range(L - d):
+                if self.deadline is not None and s & 15 == 0 and self.deadline.expired():
+                    raise _Unfinished(self.pairs)
+                self.pairs += 1
                 t = s + d
                 for f in (0, 1):
                     best = np.full(M, np.inf)
@@ -665,6 +693,27 @@ def _drop_forced_repeats(graph: ComputeGraph, seq: list) -> list:
     return out
 
 
+def merge_stages(graph: ComputeGraph, stages: list[Stage], size: int) -> list[Stage]:
+    """The chain with each run of ``size`` consecutive stages made one stage (its
+    boundary is the run's last one: still the only value that crosses the cut).
+
+    Examples
+    --------
+    >>> from solver.synthetic import training_chain
+    >>> g = training_chain(3)
+    >>> [(s.forward, s.backward) for s in merge_stages(g, forward_stages(g), 2)]
+    [(['f0', 'f1'], ['b1', 'b0']), (['f2', 'loss'], ['b2'])]
+    """
+    size = max(1, int(size))
+    pos = {v: i for i, v in enumerate(graph.order)}
+    out = []
+    for k in range(0, len(stages), size):
+        run = stages[k:k + size]
+        out.append(Stage(index=len(out), forward=[v for st in run for v in st.forward],
+                         backward=sorted((v for st in run for v in st.backward), key=pos.__getitem__)))
+    return out
+
+
 @register("chain_dp", family="chain", order="fixed")
 def chain_dp(
     graph: ComputeGraph,
@@ -682,7 +731,12 @@ def chain_dp(
     graph : ComputeGraph
     budget_bytes : int
     time_limit : float, optional
-        Unused (the program runs in O(S^3 x slots), or O(S^5 x slots) non-persistent).
+        Seconds. The persistent program (O(S^2) entries of O(S x slots) each) may take
+        :data:`PROGRAM_SHARE` of the time left; when it runs out, the chain's
+        neighbouring stages are merged into as many stages as a program at the rate
+        measured fills in that share of what is left, and it runs again
+        (``info["merged"]``: stages per merged stage). The grading of its settings
+        stops at the limit with the best that fits.
     slots : int, optional
         Memory resolution: the budget above the fixed bytes is cut into this many slots
         (one byte per slot when it has fewer bytes, which makes the program exact).
@@ -716,28 +770,62 @@ def chain_dp(
         seq, info = cheapest_fitting(graph, [(list(graph.order), {"plan": "store_all"})], budget_bytes,
                                      method="chain_dp")
         return Schedule(sequence=seq, method="chain_dp", info=dict(info, order="fixed"))
+    deadline = Deadline(time_limit)
     stages = forward_stages(graph)
-    model = chain_model(graph, stages)
     avail = int(budget_bytes) - graph.fixed_bytes
     if avail <= 0:
         raise NoScheduleFound(f"chain_dp: the fixed bytes alone exceed the budget of {budget_bytes} B",
                               best_peak=graph.fixed_bytes)
-    L = len(stages)
-    full = L <= FULL_PROGRAM_STAGES if nonpersistent is None else bool(nonpersistent)
-    if slots is None and full:
-        slots = 400
-    elif slots is None:
-        slots = int(min(400, max(32, 6e6 / max(1, L**3 / 6 * 4))))
-    unit = max(1, math.ceil(avail / max(1, int(slots))))
-    top = avail // unit
-    total = int(model.xbar.sum() + model.grad.max() + model.pb.max() + model.pa.max())
-    span = max(top, min(total // unit + 1, top + top // 8))
-    if full:
-        prog = _FullProgram(model, unit, span)
-        row = prog.row()
-    else:
-        prog = _Program(model, unit, span)
-        row = prog.cost[0, len(stages) - 1, 0, 1:]
+    chain = stages
+    while True:
+        L = len(chain)
+        started = _time.perf_counter()
+        try:
+            model = chain_model(graph, chain, deadline=None if time_limit is None
+                                else deadline.within(MODEL_SHARE * deadline.left()))
+        except _Unfinished as exc:
+            # measuring each stage scans the backward values: fewer, longer stages
+            fit = exc.pairs // 2
+            if fit < 2 or deadline.expired():
+                raise NoScheduleFound(
+                    f"chain_dp: measuring its {L} stages took the time limit ({time_limit:g} s); give a "
+                    "longer time_limit or use a general method such as 'eviction'") from None
+            chain = merge_stages(graph, stages, math.ceil(len(stages) / fit))
+            continue
+        # (a merged chain gets the persistent program: the other is O(S^5))
+        full = (L <= FULL_PROGRAM_STAGES and chain is stages) if nonpersistent is None else bool(nonpersistent)
+        m_slots = slots
+        if m_slots is None and full:
+            m_slots = 400
+        elif m_slots is None:
+            m_slots = int(min(400, max(32, 6e6 / max(1, L**3 / 6 * 4))))
+        unit = max(1, math.ceil(avail / max(1, int(m_slots))))
+        top = avail // unit
+        total = int(model.xbar.sum() + model.grad.max() + model.pb.max() + model.pa.max())
+        span = max(top, min(total // unit + 1, top + top // 8))
+        if full:
+            prog = _FullProgram(model, unit, span)
+            row = prog.row()
+            break
+        started = _time.perf_counter()
+        share = None if time_limit is None else deadline.within(PROGRAM_SHARE * deadline.left())
+        try:
+            prog = _Program(model, unit, span, deadline=share)
+        except _Unfinished as exc:
+            # the program grows with the square of the stages: merge neighbours so that
+            # a program at the rate measured fits the share of the time left
+            # (halved: the entries filled so far are the cheap ones of short spans)
+            rate = max(1, exc.pairs) / max(1e-3, _time.perf_counter() - started)
+            fit = int(math.sqrt(2 * rate * PROGRAM_SHARE * max(0.0, deadline.left()))) // 2
+            if fit < 2 or deadline.expired():
+                raise NoScheduleFound(
+                    f"chain_dp: its program over {L} stages did not finish before the time limit "
+                    f"({time_limit:g} s); give a longer time_limit or use a general method such as 'eviction'"
+                ) from None
+            chain = merge_stages(graph, stages, math.ceil(len(stages) / min(fit, L - 1)))
+            continue
+        row = prog.cost[0, L - 1, 0, 1:]
+        break
     finite = np.flatnonzero(np.isfinite(row))
     if finite.size == 0:
         raise NoScheduleFound(
@@ -755,7 +843,7 @@ def chain_dp(
         key = tuple(seq)
         if key in tried:
             return tried[key]
-        r = simulate(graph, seq)
+        r = simulate(graph, seq, deadline=None if time_limit is None else deadline)
         tried[key] = (r.valid and r.peak_bytes <= budget_bytes, r)
         if r.valid:
             best_peak = r.peak_bytes if best_peak is None else min(best_peak, r.peak_bytes)
@@ -768,21 +856,26 @@ def chain_dp(
     below = [m for m in reversed(levels) if m <= top]
     if top < len(row) and np.isfinite(row[top]):
         below = [top] + [m for m in below if m != top]
-    for m in above:
-        attempt(m)
-    for m in below[:64]:
-        if best is not None and row[m] >= best[1].cost - 1e-12:
-            break
-        ok, _ = attempt(m)
-        if ok:
-            break
+    timed_out = False
+    try:
+        for m in above:
+            attempt(m)
+        for m in below[:64]:
+            if best is not None and row[m] >= best[1].cost - 1e-12:
+                break
+            ok, _ = attempt(m)
+            if ok:
+                break
+    except OutOfTime:
+        timed_out = True
     if best is None:
         raise NoScheduleFound(
             f"chain_dp: no schedule of the chain family fits {budget_bytes} B"
+            + (" among those it graded before the time limit passed" if timed_out else "")
             + (f" (its smallest simulated peak is {best_peak} B)" if best_peak is not None else "")
             + "; use a general method such as 'eviction' or 'checkmate_milp'", best_peak=best_peak)
     seq, r, m = best
     return Schedule(sequence=seq, method="chain_dp",
                     info={"order": "fixed", "plan": "chain_dp", "stages": len(stages),
                           "model_cost": float(row[m]), "slots_used": int(m), "slot_bytes": unit,
-                          "candidates": len(tried)})
+                          "candidates": len(tried), "merged": math.ceil(len(stages) / len(chain))})
