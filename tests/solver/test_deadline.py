@@ -13,7 +13,7 @@ from solver.errors import NoScheduleFound
 from solver.methods.auto import solve_auto
 from solver.solving import get_method, methods
 from solver.simulate import simulate
-from solver.synthetic import random_training_graph
+from solver.synthetic import random_training_graph, training_chain
 
 EXACT = sorted(name for name, info in methods().items() if info.exact)
 #: the exact methods, and the one that solves the exact family's stage program
@@ -111,13 +111,49 @@ def test_every_method_keeps_its_time_limit_on_a_dense_graph_of_thousands_of_ops(
     # that a method cannot stop takes tenths of a second here, and on a loaded machine
     # (CI runs other tests beside this one) its wall-clock time stretches by the load;
     # CPU time does not, and the solver's own threads make wall-clock the lesser there.
-    g, budget = dense_graph
+    _keeps_limit_by_cpu_or_wall(method, *dense_graph)
+
+
+def _keeps_limit_by_cpu_or_wall(method, g, budget):
+    """``method`` returns within the limit by the lesser of wall-clock and process CPU
+    time, and what it returns fits."""
     cpu = time.process_time()
     out, elapsed = _timed(get_method(method).fn, g, budget, time_limit=LIMIT)
     elapsed = min(elapsed, time.process_time() - cpu)
     assert elapsed <= LIMIT + SLACK, f"{method} took {elapsed:.2f} s for a limit of {LIMIT} s"
     if not isinstance(out, NoScheduleFound):
         assert simulate(g, out).peak_bytes <= budget
+
+
+@pytest.fixture(scope="module")
+def long_chain():
+    # 1,500 layers (3,001 ops) at 0.3x: the baselines' settings and chain_dp's program
+    # grow with the square of the layers
+    g = training_chain(1500)
+    return g, int(0.3 * simulate(g, g.order).peak_bytes)
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("method", LIMITED)
+def test_every_method_keeps_its_time_limit_on_a_chain_of_thousands_of_layers(method, long_chain):
+    # every_k tried every segment length (35 s here), revolve and checkpoint_all built
+    # and graded sequences of O(layers^2) steps (9 s each), chain_dp filled its program
+    # for minutes: none of them read the limit (judged as the dense-graph test is)
+    _keeps_limit_by_cpu_or_wall(method, *long_chain)
+
+
+def test_chain_dp_merges_a_long_chain_into_what_its_time_limit_allows():
+    # 400 layers: the program over every layer takes about a minute here
+    g = training_chain(400)
+    budget = int(0.3 * simulate(g, g.order).peak_bytes)
+    t = time.perf_counter()
+    s = get_method("chain_dp").fn(g, budget, time_limit=1.0)
+    assert time.perf_counter() - t <= 1.0 + SLACK
+    assert s.info["merged"] > 1
+    r = simulate(g, s)
+    assert r.valid and r.peak_bytes <= budget
+    # the merged chain's plan still recomputes less than keeping nothing
+    assert r.cost < simulate(g, get_method("checkpoint_all").fn(g, budget)).cost
 
 
 def test_hierarchical_keeps_its_time_limit_when_the_coarse_solve_finds_nothing(monkeypatch):
