@@ -70,8 +70,12 @@ def _stages_or_none(graph: ComputeGraph):
 WORK_SHARE = 0.5
 
 
-def _work(time_limit) -> Deadline | None:
-    """The deadline of a baseline's settings (None without a time limit)."""
+def work_deadline(time_limit) -> Deadline | None:
+    """The deadline of a baseline's settings (None without a time limit).
+
+    >>> work_deadline(None) is None
+    True
+    """
     return None if time_limit is None else Deadline(WORK_SHARE * float(time_limit))
 
 
@@ -116,7 +120,7 @@ def checkpoint_all(graph: ComputeGraph, budget_bytes: int, *, time_limit=None, *
     >>> checkpoint_all(training_chain(3), 100).sequence.count("f0")
     4
     """
-    work = _work(time_limit)
+    work = work_deadline(time_limit)
     stages = _stages_or_none(graph)
     if stages is None:
         cands = [_store_all_candidate(graph)]
@@ -192,7 +196,7 @@ def every_k(graph: ComputeGraph, budget_bytes: int, *, time_limit=None, k: int |
     """
     if k is not None and int(k) < 1:
         raise ValueError(f"every_k needs k >= 1, got {k!r}")
-    work = _work(time_limit)
+    work = work_deadline(time_limit)
     stages = _stages_or_none(graph)
     if stages is None:
         cands = [_store_all_candidate(graph)]
@@ -237,7 +241,7 @@ def chen_sqrt(graph: ComputeGraph, budget_bytes: int, *, time_limit=None, **_) -
     >>> s.info["plan"], s.info["k"]
     ('chen_sqrt', 3)
     """
-    work = _work(time_limit)
+    work = work_deadline(time_limit)
     stages = _stages_or_none(graph)
 
     def cands():
@@ -318,7 +322,7 @@ def chen_greedy(
     >>> s.info["plan"], s.info["checkpoints"] > 0
     ('chen_greedy', True)
     """
-    work = _work(time_limit)
+    work = work_deadline(time_limit)
     stages = _stages_or_none(graph)
     if stages is None:
         seq, info = cheapest_fitting(graph, [_store_all_candidate(graph)], budget_bytes, method="chen_greedy",

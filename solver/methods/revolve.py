@@ -23,7 +23,7 @@ from functools import lru_cache
 from graphs import ComputeGraph
 from solver.deadline import Deadline, OutOfTime
 from solver.errors import NoScheduleFound
-from solver.methods.baselines import WORK_SHARE
+from solver.methods.baselines import work_deadline
 from solver.plans import Stage, cheapest_fitting, forward_stages, has_backward
 from solver.registry import register
 from solver.schedule import Schedule
@@ -240,7 +240,7 @@ def revolve(graph: ComputeGraph, budget_bytes: int, *, time_limit=None, slots: i
     stages = forward_stages(graph)
     n = len(stages)
 
-    work = None if time_limit is None else Deadline(WORK_SHARE * float(time_limit))
+    work = work_deadline(time_limit)
 
     @lru_cache(maxsize=None)
     def build(c: int):
