@@ -3,7 +3,10 @@
 The recipe, cheapest first:
 
 1. store-all, when the reference order fits (no extra compute: optimal);
-2. ``eviction`` on the reference order (fast, near-optimal on training graphs); with a
+2. ``eviction`` on the reference order (fast, near-optimal on training graphs); where
+   it finds nothing on a training graph past :data:`STAGE_MILP_MAX_OPS` ops,
+   ``chen_sqrt`` and then ``chain_dp`` over the chain of stages (on a chain of 2,000
+   layers at 0.1x with 2 s, eviction does not finish and they fit); with a
    time limit, on training graphs past :data:`STAGE_MILP_MAX_OPS` ops, one round of
    ``stage_milp`` (the first program's plan, repaired) with
    :data:`STAGE_MILP_ONE_SHARE` of the time left, when that comes to
@@ -137,6 +140,10 @@ LNS_SHARE = 0.4
 LNS_STARTS = 3
 #: Without a time limit, seconds at most for that search.
 LNS_SECONDS = 1.0
+#: Share of the time left (and seconds at most) for each of the chain-family methods on a
+#: training graph that eviction does not fit.
+CHAIN_RESCUE_SHARE = 0.5
+CHAIN_RESCUE_SECONDS = 2.0
 #: Training graphs with at most this many ops get ``stage_milp`` when a time limit is
 #: given (its programs grow with the steps over the budget).
 STAGE_MILP_MAX_OPS = 1000
@@ -353,6 +360,17 @@ def solve_auto(graph: ComputeGraph, budget: int, *, time_limit: float | None = N
         # 2. eviction on the reference order: fast, near-optimal on training graphs
         run("eviction", "DTR-style eviction on the reference order",
             time_limit=max(0.1, min(1.0 if unlimited else 2.0, 0.2 * limit)), ix=ix)
+        # 2a. eviction found nothing on a training graph past STAGE_MILP_MAX_OPS ops
+        #     (where the steps after it take long): Chen's sqrt(L) segments over
+        #     the chain of stages, then the chain DP (coarse, but on a chain of
+        #     thousands of layers at 0.1x, where the op-level heuristics fail, they fit:
+        #     5,000 layers, +32.9 % and +31.0 %)
+        if training and best[0] is None and n > STAGE_MILP_MAX_OPS and has_time():
+            run("chen_sqrt", "nothing else fitted: Chen's sqrt(L) segments over the chain of stages",
+                time_limit=max(0.1, min(CHAIN_RESCUE_SECONDS, CHAIN_RESCUE_SHARE * left())))
+            if best[0] is not None and n > CHAIN_DP_MAX_OPS and has_time():
+                run("chain_dp", "the chain family fits where nothing else did: its optimum over the chain",
+                    time_limit=max(0.1, min(CHAIN_RESCUE_SECONDS, CHAIN_RESCUE_SHARE * left())))
         # 2b. with a time limit, on training graphs past STAGE_MILP_MAX_OPS ops: the
         #     first stage program's plan, repaired (one round of stage_milp; on 32-layer
         #     captures, within 0.3-5 % of its bound in 1-3 s, where the heuristics below

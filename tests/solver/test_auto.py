@@ -340,3 +340,16 @@ def test_past_stage_milps_size_its_first_round_runs_before_the_heuristics(monkey
     assert not {"lp_eviction", "cover", "block_dp", "staged"} & set(loose.info["auto"]["tried"])
     r = solver.simulate(g, loose)
     assert r.valid and r.peak_bytes <= budget and loose.cost <= tried["stage_milp"] * (1 + 1e-9)
+
+
+def test_a_long_chain_that_eviction_does_not_fit_in_time_gets_the_chain_family():
+    # 2,000 layers at 0.1x: eviction needs about 8 s here, so with 2 s the op-level
+    # heuristics find nothing; Chen's segments fit in a tenth of a second
+    g = training_chain(2000)
+    budget = int(0.1 * solver.simulate(g, g.order).peak_bytes)
+    chen = solver.solve(g, budget, method="chen_sqrt")
+    s = solver.solve(g, budget, time_limit=2)
+    r = solver.simulate(g, s)
+    assert r.valid and r.peak_bytes <= budget
+    assert r.cost <= chen.cost
+    assert "chen_sqrt" in s.info["auto"]["tried"]
