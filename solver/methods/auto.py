@@ -4,7 +4,8 @@ The recipe, cheapest first:
 
 1. store-all, when the reference order fits (no extra compute: optimal);
 2. ``eviction`` on the reference order (fast, near-optimal on training graphs); where
-   it finds nothing on a training graph past :data:`STAGE_MILP_MAX_OPS` ops,
+   it finds nothing, or not all its passes finish, on a training graph past
+   :data:`STAGE_MILP_MAX_OPS` ops,
    ``chen_sqrt`` and then ``chain_dp`` over the chain of stages (on a chain of 2,000
    layers at 0.1x with 2 s, eviction does not finish and they fit); with a
    time limit, on training graphs past :data:`STAGE_MILP_MAX_OPS` ops, one round of
@@ -360,15 +361,17 @@ def solve_auto(graph: ComputeGraph, budget: int, *, time_limit: float | None = N
         # 2. eviction on the reference order: fast, near-optimal on training graphs
         run("eviction", "DTR-style eviction on the reference order",
             time_limit=max(0.1, min(1.0 if unlimited else 2.0, 0.2 * limit)), ix=ix)
-        # 2a. eviction found nothing on a training graph past STAGE_MILP_MAX_OPS ops
-        #     (where the steps after it take long): Chen's sqrt(L) segments over
-        #     the chain of stages, then the chain DP (coarse, but on a chain of
-        #     thousands of layers at 0.1x, where the op-level heuristics fail, they fit:
-        #     5,000 layers, +32.9 % and +31.0 %)
-        if training and best[0] is None and n > STAGE_MILP_MAX_OPS and has_time():
-            run("chen_sqrt", "nothing else fitted: Chen's sqrt(L) segments over the chain of stages",
+        # 2a. eviction found nothing, or its time cut its passes short, on a training
+        #     graph past STAGE_MILP_MAX_OPS ops (where the steps after it take long):
+        #     Chen's sqrt(L) segments over the chain of stages (hundredths of a second
+        #     where they do not fit), then, where they are the best so far, the chain
+        #     DP (coarse, but on a chain of thousands of layers at 0.1x, where the
+        #     op-level heuristics fail, they fit: 5,000 layers, +32.9 % and +31.0 %)
+        cut = best[0] is not None and best[0].info.get("complete") is False
+        if training and (best[0] is None or cut) and n > STAGE_MILP_MAX_OPS and has_time():
+            run("chen_sqrt", "eviction did not finish: Chen's sqrt(L) segments over the chain of stages",
                 time_limit=max(0.1, min(CHAIN_RESCUE_SECONDS, CHAIN_RESCUE_SHARE * left())))
-            if best[0] is not None and n > CHAIN_DP_MAX_OPS and has_time():
+            if best[0] is not None and best[0].method == "chen_sqrt" and n > CHAIN_DP_MAX_OPS and has_time():
                 run("chain_dp", "the chain family fits where nothing else did: its optimum over the chain",
                     time_limit=max(0.1, min(CHAIN_RESCUE_SECONDS, CHAIN_RESCUE_SHARE * left())))
         # 2b. with a time limit, on training graphs past STAGE_MILP_MAX_OPS ops: the

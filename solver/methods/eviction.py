@@ -380,13 +380,18 @@ def best_eviction(
     *,
     scores: Sequence[str] = SCORES,
     deadline: float | None = None,
+    passes: list | None = None,
 ) -> tuple[list[int] | None, str | None]:
-    """The cheapest sequence over ``scores`` (fewest recomputations on ties)."""
+    """The cheapest sequence over ``scores`` (fewest recomputations on ties); ``passes``,
+    when given, gets the scores whose pass ran to its end (fitting or not) before
+    ``deadline``."""
     best, best_key, best_score = None, None, None
     for k, sc in enumerate(scores):
         if k and deadline is not None and _time.perf_counter() > deadline:
             break  # a pass begun now would fail at its first eviction
         seq = evict_sequence(ix, order, budget_bytes, score=sc, deadline=deadline)
+        if passes is not None and (seq is not None or deadline is None or _time.perf_counter() <= deadline):
+            passes.append(sc)
         if seq is None:
             continue
         key = (_seq_cost(ix, seq), len(seq))
@@ -431,7 +436,9 @@ def eviction(
     Returns
     -------
     Schedule
-        ``info["score"]`` names the winning score; ``info["order"] == "fixed"``.
+        ``info["score"]`` names the winning score; ``info["order"] == "fixed"``;
+        ``info["complete"]`` is False when the time limit cut some score's pass short
+        (the answer is the cheapest of those that finished).
 
     Raises
     ------
@@ -454,13 +461,14 @@ def eviction(
     t0 = _time.perf_counter()
     deadline = None if time_limit is None else t0 + time_limit
     ix = ix or IndexedGraph.of(graph)
-    seq, sc = best_eviction(ix, range(ix.n), budget_bytes, scores=scores, deadline=deadline)
+    passes: list = []
+    seq, sc = best_eviction(ix, range(ix.n), budget_bytes, scores=scores, deadline=deadline, passes=passes)
     if seq is None:
         raise NoScheduleFound(
             f"eviction found no schedule of {graph.name or 'the graph'} within {budget_bytes} B "
             f"in the reference order; try method='order_search' (free order) or a larger budget"
         )
-    return _schedule(ix, seq, "eviction", {"order": "fixed", "score": sc})
+    return _schedule(ix, seq, "eviction", {"order": "fixed", "score": sc, "complete": len(passes) == len(scores)})
 
 
 # ---------------------------------------------------------------------------- orders

@@ -118,3 +118,15 @@ def test_vgg16_at_090_within_budget():
     assert s.peak_bytes <= budget
     assert s.cost > s.base_cost  # the reference order alone does not fit
     assert s.info["order"] == "fixed"
+
+
+def test_eviction_says_when_its_time_limit_cut_its_passes_short():
+    from solver.methods.eviction import eviction
+
+    g = training_chain(6)
+    top = solver.simulate(g, g.order).peak_bytes
+    assert eviction(g, top).info["complete"] is True
+    # with no time at all only the first score's pass runs (it needs no eviction here)
+    cut = eviction(g, top, time_limit=0)
+    assert cut.info["complete"] is False
+    assert solver.simulate(g, cut).peak_bytes <= top
