@@ -118,16 +118,35 @@ PROOF_SECONDS = 1.0
 #: Seconds at most for the bound of what run-once ops hold
 #: (:func:`solver.feasibility.run_once_peak_bound`), tried first.
 ONCE_SECONDS = 1.0
+#: Seconds at most for the chain family's smallest peak on a training graph (Chen's
+#: segments: on a chain of thousands of layers the low-memory search's eviction probes
+#: do not finish, and the store-all peak would be named where a tenth of it is reached).
+CHAIN_SECONDS = 0.5
 #: Below this many seconds left, a failure is raised without looking for figures.
 FIGURES_MIN_SECONDS = 0.05
+
+
+def _chain_peak(graph: ComputeGraph, seconds: float) -> int | None:
+    """The smallest peak of Chen's sqrt(L) segments on ``graph`` found within
+    ``seconds`` (None: none)."""
+    from solver.methods.baselines import chen_sqrt
+
+    try:
+        # no schedule fits 0 B: it names its least peak (it builds and grades its
+        # settings in half its time limit)
+        chen_sqrt(graph, 0, time_limit=2 * seconds)
+    except NoScheduleFound as exc:
+        return None if exc.best_peak is None else int(exc.best_peak)
+    return None
 
 
 def _not_reached(graph: ComputeGraph, budget: int, exc: NoScheduleFound, left: float | None, *,
                  prove: bool = True) -> NoScheduleFound:
     """The error for a method that found nothing: an :class:`InfeasibleBudget` (below the
     proven bound) or :class:`BudgetNotReached` naming the least peak that a schedule is
-    known to reach -- the method's own ``best_peak`` or the low-memory search's, whichever
-    is less -- searched for in the time that is ``left`` (seconds; None: no limit). With
+    known to reach -- the method's own ``best_peak``, the low-memory search's or, on a
+    training graph, that of Chen's sqrt(L) segments, whichever is least -- searched for
+    in the time that is ``left`` (seconds; None: no limit). With
     ``prove``, a budget between the bounds is tried against what ops that run once hold
     (:func:`solver.feasibility.run_once_peak_bound`) and the order-free stage relaxation
     (:func:`solver.bounds.relaxed_peak_bound`), which may raise the proven bound."""
@@ -138,10 +157,15 @@ def _not_reached(graph: ComputeGraph, budget: int, exc: NoScheduleFound, left: f
     from solver.methods.minpeak import smallest_feasible_peak
 
     t0 = time.perf_counter()
-    seconds = FIGURES_SECONDS if left is None else min(FIGURES_SECONDS, left)
-    found, lb, culprit = smallest_feasible_peak(graph, time_limit=seconds)
+    chain = None
+    if graph.backward_nodes():
+        chain = _chain_peak(graph, CHAIN_SECONDS if left is None else min(CHAIN_SECONDS, 0.5 * left))
+    seconds = FIGURES_SECONDS if left is None else min(FIGURES_SECONDS, left - (time.perf_counter() - t0))
+    found, lb, culprit = smallest_feasible_peak(graph, time_limit=max(0.0, seconds))
     if exc.best_peak is not None and lb <= exc.best_peak < found:
         found = int(exc.best_peak)
+    if chain is not None and lb <= chain < found:
+        found = chain
     if budget >= found:
         return exc  # a schedule within the budget exists: the method's own failure
     held = 0

@@ -192,3 +192,19 @@ def test_a_dropout_gpt_budget_below_what_its_masks_hold_is_proven_infeasible():
     # bound is for recomputation only
     s = solver.solve(g, budget, method="offload", bandwidth=1e12, time_limit=10)
     assert solver.simulate(g, s, bandwidth=1e12).peak_bytes <= budget < bound
+
+
+def test_a_failure_on_a_long_chain_names_the_peak_chens_segments_reach():
+    # on 2,000 layers the low-memory search's eviction probes do not finish in their
+    # 0.8 s, so without the chain family's figure the error named the store-all peak,
+    # ten times what Chen's segments reach
+    from solver.methods.baselines import chen_sqrt
+    from solver.synthetic import training_chain
+
+    g = training_chain(2000)
+    top = solver.simulate(g, g.order).peak_bytes
+    chen = solver.simulate(g, chen_sqrt(g, top // 10)).peak_bytes
+    assert chen < top // 5
+    with pytest.raises(solver.InfeasibleBudget) as info:
+        solver.solve(g, chen - 1, method="store_all")
+    assert info.value.smallest_feasible_bytes <= chen
