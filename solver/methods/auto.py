@@ -167,8 +167,10 @@ STAGED_MAX_OPS = 3000
 #: With a time limit, on graphs past :data:`STAGE_MILP_MAX_OPS` ops, the share of the
 #: limit (at most :data:`TAIL_SECONDS`) that the search leaves to the winner's last
 #: steps: dropping its unneeded recomputations and simulating the result (0.25-0.7 s on
-#: the 32-layer captures, where without it ``auto`` ran 6.1 s for a limit of 5 s).
-TAIL_SHARE = 0.1
+#: the 32-layer captures, where without it ``auto`` ran 6.1 s for a limit of 5 s), and
+#: the setup of its first bound (0.5 s on a chain of 5,000 layers, where with 2 s and a
+#: share of 0.1 ``auto`` ran 2.8-3.2 s).
+TAIL_SHARE = 0.25
 TAIL_SECONDS = 1.0
 
 
@@ -527,7 +529,11 @@ def solve_auto(graph: ComputeGraph, budget: int, *, time_limit: float | None = N
         a bound begun with little time left can still prove more.)"""
         return not unlimited and n > STAGE_MILP_MAX_OPS and bound is not None and left() < MIN_SLICE
 
-    if use_bound and not close and not late():
+    # on graphs past STAGE_MILP_MAX_OPS ops with a time limit and too little time left
+    # for a bound's setup, the winner keeping the reference order: only the fixed-order
+    # bound (the stronger there), not both
+    hurried = not unlimited and n > STAGE_MILP_MAX_OPS and fixed_scope and left() < MIN_SLICE
+    if use_bound and not close and not late() and not hurried:
         # the bound valid in any order first: the stage LP at ops placed by the DAG alone
         f_time = min(0.5 * LP_BOUND_SECONDS, max(0.3, 0.25 * elapsed)) if unlimited else max(0.0, 0.3 * left())
         if fixed_scope and not unlimited:
