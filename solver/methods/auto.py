@@ -160,9 +160,12 @@ STAGE_MILP_MORE_SHARE = 0.9
 #: for one round of ``stage_milp`` (the first program's plan, repaired), and the seconds
 #: that share must come to for the round to run: on the 32-layer captures the round
 #: took 1.8-2.4 s on a slow machine and found nothing with 1.5-2.0 s; with a limit of 5 s
-#: and half the time left it failed there, and ``lp_eviction`` after it was starved.
+#: and half the time left it failed there, and ``lp_eviction`` after it was starved. On
+#: a machine about 6x faster it takes 0.6-1.5 s: with 1 s rather than 2 s here, limits of
+#: 2-3 s get its schedule (the 32-layer Llama at 0.3x with 2 s: +12.92 % within 2 %,
+#: where ``eviction`` cut short gave +104.0 %), and with 1 s nothing was worse.
 STAGE_MILP_ONE_SHARE = 0.8
-STAGE_MILP_ONE_SECONDS = 2.0
+STAGE_MILP_ONE_SECONDS = 1.0
 #: Staged recomputation plans on a stage-by-value table: graphs up to this many ops.
 STAGED_MAX_OPS = 3000
 #: With a time limit, on graphs past :data:`STAGE_MILP_MAX_OPS` ops, the share of the
