@@ -7,11 +7,13 @@ The recipe, cheapest first:
    it finds nothing, or not all its passes finish, on a training graph past
    :data:`STAGE_MILP_MAX_OPS` ops,
    ``chen_sqrt`` and then ``chain_dp`` over the chain of stages (on a chain of 2,000
-   layers at 0.1x with 2 s, eviction does not finish and they fit); with a
-   time limit, on training graphs past :data:`STAGE_MILP_MAX_OPS` ops, one round of
+   layers at 0.1x with 2 s, eviction does not finish and they fit); on training
+   graphs past :data:`STAGE_MILP_MAX_OPS` ops, one round of
    ``stage_milp`` (the first program's plan, repaired) with
    :data:`STAGE_MILP_ONE_SHARE` of the time left, when that comes to
-   :data:`STAGE_MILP_ONE_SECONDS` at least: on 32-layer captures of HF GPT-2 and
+   :data:`STAGE_MILP_ONE_SECONDS` at least (without a time limit, unless
+   ``exact=False``, for at most :data:`STAGE_MILP_ONE_UNLIMITED_SECONDS`): on 32-layer
+   captures of HF GPT-2 and
    Llama (5,400-6,900 ops) at 0.7-0.3x it finds the best schedule of every method in
    1-3 s, proven within 0.3-5 %;
 3. ``chain_dp`` on training graphs (optimal for chains of stages), ``lp_eviction``
@@ -80,6 +82,7 @@ __all__ = ["solve_auto", "drop_recomputations", "EXACT_MAX_OPS", "CHAIN_DP_MAX_O
            "LP_EVICTION_SECONDS", "EARLY_BOUND_SHARE", "MILP_BOUND_SHARE", "EARLY_MILP_SECONDS", "BLOCK_DP_SECONDS",
            "BLOCK_DP_MIN_REPEATS", "DROP_SECONDS", "STAGED_SHARE", "STAGED_SECONDS", "STAGED_MAX_OPS", "COVER_SECONDS", "LNS_SHARE", "LNS_SECONDS",
            "STAGE_MILP_MAX_OPS", "STAGE_MILP_SHARE", "STAGE_MILP_MORE_SHARE", "STAGE_MILP_ONE_SHARE", "STAGE_MILP_ONE_SECONDS",
+           "STAGE_MILP_ONE_UNLIMITED_SECONDS",
            "LNS_STARTS", "TAIL_SHARE", "TAIL_SECONDS"]
 
 log = logging.getLogger(__name__)
@@ -166,6 +169,8 @@ STAGE_MILP_MORE_SHARE = 0.9
 #: where ``eviction`` cut short gave +104.0 %), and with 1 s nothing was worse.
 STAGE_MILP_ONE_SHARE = 0.8
 STAGE_MILP_ONE_SECONDS = 1.0
+#: Without a time limit, seconds at most for that round.
+STAGE_MILP_ONE_UNLIMITED_SECONDS = 3.0
 #: Staged recomputation plans on a stage-by-value table: graphs up to this many ops.
 STAGED_MAX_OPS = 3000
 #: With a time limit, on graphs past :data:`STAGE_MILP_MAX_OPS` ops, the share of the
@@ -246,7 +251,8 @@ def solve_auto(graph: ComputeGraph, budget: int, *, time_limit: float | None = N
     unlimited = time_limit is None
     limit = _default_limit(n) if unlimited else float(time_limit)
     deadline = t0 + limit
-    use_exact = options.pop("exact", not unlimited)
+    asked_exact = options.pop("exact", None)
+    use_exact = (not unlimited) if asked_exact is None else bool(asked_exact)
     use_bound = options.pop("bound", True)
     use_drop = options.pop("drop", True)
     tolerance = float(options.pop("gap_tolerance", GAP_TOLERANCE))
@@ -380,14 +386,18 @@ def solve_auto(graph: ComputeGraph, budget: int, *, time_limit: float | None = N
             if best[0] is not None and best[0].method == "chen_sqrt" and n > CHAIN_DP_MAX_OPS and has_time():
                 run("chain_dp", "the chain family fits where nothing else did: its optimum over the chain",
                     time_limit=max(0.1, min(CHAIN_RESCUE_SECONDS, CHAIN_RESCUE_SHARE * left())))
-        # 2b. with a time limit, on training graphs past STAGE_MILP_MAX_OPS ops: the
+        # 2b. on training graphs past STAGE_MILP_MAX_OPS ops: the
         #     first stage program's plan, repaired (one round of stage_milp; on 32-layer
         #     captures, within 0.3-5 % of its bound in 1-3 s, where the heuristics below
         #     stop at gaps of up to 17 %)
-        if (training and extra() and use_exact and n > STAGE_MILP_MAX_OPS
+        #     (without a time limit too, unless exact=False, for at most
+        #     STAGE_MILP_ONE_UNLIMITED_SECONDS)
+        one_round = use_exact or (unlimited and asked_exact is None)
+        if (training and extra() and one_round and n > STAGE_MILP_MAX_OPS
                 and STAGE_MILP_ONE_SHARE * left() >= STAGE_MILP_ONE_SECONDS and "stage_milp" not in tried):
             run("stage_milp", "the first 0/1 stage program's plan, repaired, with the program's proven bound",
-                time_limit=STAGE_MILP_ONE_SHARE * left(), rounds=1)
+                time_limit=min(STAGE_MILP_ONE_UNLIMITED_SECONDS, STAGE_MILP_ONE_SHARE * left()) if unlimited
+                else STAGE_MILP_ONE_SHARE * left(), rounds=1)
         # 3. the chain DP on training graphs that split into stages
         if training and extra() and n <= CHAIN_DP_MAX_OPS:
             run("chain_dp", "the graph is a chain of stages: the DP is optimal for chains",
