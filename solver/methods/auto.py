@@ -204,10 +204,12 @@ def solve_auto(graph: ComputeGraph, budget: int, *, time_limit: float | None = N
         Peak bytes allowed, fixed bytes included.
     time_limit : float, optional
         Seconds in all, kept to within 10 % or a second whatever the graph. Without one,
-        auto answers fast (a few seconds on graphs of a few thousand ops): short
-        heuristic runs, no exact method, and at most a small share of the time (and only
-        up to :data:`BOUND_MAX_OPS` ops) for the lower bound. With one, fast heuristics
-        run first; exact methods and the bound get what is left.
+        auto answers in seconds (2-12 s on graphs of 5,000-10,000 ops): short heuristic
+        runs; of the exact methods only one round of ``stage_milp`` on training graphs
+        past :data:`STAGE_MILP_MAX_OPS` ops (at most
+        :data:`STAGE_MILP_ONE_UNLIMITED_SECONDS`); capped slices for the stage bounds,
+        and the MILP's bound only up to :data:`BOUND_MAX_OPS` ops. With one, fast
+        heuristics run first; exact methods and the bound get what is left.
     **options
         ``exact=False`` skips the exact methods; ``bound=False`` skips the lower bound;
         ``drop=False`` keeps the winner's recomputations as they are;
