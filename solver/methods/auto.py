@@ -165,8 +165,9 @@ STAGE_MILP_MORE_SHARE = 0.9
 #: took 1.8-2.4 s on a slow machine and found nothing with 1.5-2.0 s; with a limit of 5 s
 #: and half the time left it failed there, and ``lp_eviction`` after it was starved. On
 #: a machine about 6x faster it takes 0.6-1.5 s: with 1 s rather than 2 s here, limits of
-#: 2-3 s get its schedule (the 32-layer Llama at 0.3x with 2 s: +12.92 % within 2 %,
-#: where ``eviction`` cut short gave +104.0 %), and with 1 s nothing was worse.
+#: 2-3 s get its schedule (the 32-layer Llama at 0.3x with 2 s: +12.92 % within 2 % and
+#: +19.08 % in two runs, where ``eviction`` cut short gave +104.0 %), and with 1 s nothing
+#: was worse.
 STAGE_MILP_ONE_SHARE = 0.8
 STAGE_MILP_ONE_SECONDS = 1.0
 #: Without a time limit, seconds at most for that round.
