@@ -283,6 +283,58 @@ def markdown(rows: list[dict]) -> str:
     return "\n".join(out) + "\n"
 
 
+def _cell(r: dict | None, *, gap: bool = False, picked: bool = False) -> str:
+    """One method's figure in :func:`zoo_table`: extra compute (with its proven gap, or
+    the method ``auto`` picked), "none" without a schedule, "infeasible" where it
+    proved that none exists."""
+    if r is None:
+        return ""
+    if r["status"] != "ok":
+        return "infeasible" if r["status"] == "infeasible" else "none"
+    out = f"+{r['extra_pct']:.2f} %"
+    if picked and r.get("picked", "").startswith("auto:"):
+        out += f" ({r['picked'][5:]})"
+    if gap and r.get("gap") is not None:
+        out += f" ({100 * r['gap']:.1f} %)"
+    return out
+
+
+def zoo_table(rows: list[dict]) -> str:
+    """The zoo's rows as the README's table: a line per graph and budget, ``auto`` (with
+    its proven gap and time, and its row with the longer limit where it ran again), then
+    every other method's extra compute."""
+    methods = [m for m in dict.fromkeys(r["method"] for r in rows) if m != "auto"]
+    gapped = {"lp_eviction", "stage_milp"}
+    head = (["graph (ops) @ budget", "auto", "proven gap", "auto time", "auto, longer limit (gap, time)"]
+            + [f"{m} (gap)" if m in gapped else m for m in methods])
+    out = ["| " + " | ".join(head) + " |", "|" + "---|" * len(head)]
+    cells: dict = {}
+    for r in rows:
+        cells.setdefault((r["graph"], r["ops"], r["fraction"]), {})[_method(r)] = r
+    for (graph, ops, frac), by in cells.items():
+        auto = by.get("auto")
+        long = next((r for k, r in by.items() if k.startswith("auto (")), None)
+        line = [f"{graph} ({ops:,}) @{frac:g}"]
+        if auto is not None and auto["status"] == "ok":
+            scope = f" ({auto['bound_scope']})" if auto.get("bound_scope") in ("fixed order", "free order") else ""
+            line += [_cell(auto, picked=True), "—" if auto.get("gap") is None else f"{100 * auto['gap']:.1f} %{scope}",
+                     f"{auto['seconds']:.1f} s"]
+        elif auto is not None:
+            line += [_failed(auto) if "smallest_feasible" in auto else auto["status"], "—", f"{auto['seconds']:.1f} s"]
+        else:
+            line += ["", "", ""]
+        if long is not None and long["status"] == "ok":
+            line.append(f"{_cell(long, gap=True)}, {long['seconds']:.1f} s")
+        elif long is not None:
+            line.append(f"{_failed(long) if 'smallest_feasible' in long else long['status']}, {long['seconds']:.1f} s")
+        else:
+            line.append("")
+        unsolved = auto is not None and auto["status"] != "ok" and "smallest_feasible" in auto
+        line += ["" if unsolved else _cell(by.get(m), gap=m in gapped) for m in methods]
+        out.append("| " + " | ".join(line) + " |")
+    return "\n".join(out) + "\n"
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--graphs", type=pathlib.Path, default=DEFAULT_GRAPHS)
@@ -324,7 +376,7 @@ def main() -> None:
         zoo = run_zoo(time_limit=args.zoo_time_limit, only=args.only, long_limit=args.zoo_long_limit,
                       replay=not args.zoo_masks_held, method_names=args.zoo_methods.split(",") if args.zoo_methods else None)
         (args.out / "zoo.json").write_text(json.dumps(zoo, indent=1, default=str))
-        (args.out / "zoo.md").write_text(markdown(zoo))
+        (args.out / "zoo.md").write_text(markdown(zoo) + "\n" + zoo_table(zoo))
         print(f"wrote {args.out / 'zoo.json'} and {args.out / 'zoo.md'}")
         if args.zoo_only:
             return

@@ -206,7 +206,7 @@ def _repaired(graph: ComputeGraph, ix: IndexedGraph, sequence: list, budget: int
 def stage_milp(graph: ComputeGraph, budget_bytes: int, *, time_limit: float | None = None,
                first: int | None = None, more: int | None = None, rounds: int = ROUNDS,
                enough: float | None = None, hold_rounds: bool | None = None,
-               soft_limit: float | None = None, **_) -> Schedule:
+               soft_limit: float | None = None, give_up_over: float | None = None, **_) -> Schedule:
     """The 0/1 stage program at the steps over the budget, solved, as a schedule, with
     boundaries added where its sequence goes over the budget (see the module).
 
@@ -244,6 +244,10 @@ def stage_milp(graph: ComputeGraph, budget_bytes: int, *, time_limit: float | No
         within :data:`NEAR_OVER` times the budget and the whole program after a held
         plan that fits: those may go on to ``time_limit``. Whole rounds before them get
         at most the time left to ``soft_limit``. Default: ``time_limit``.
+    give_up_over : float, optional
+        End the rounds after a held round whose plan peaks above this times the budget
+        (its plan repaired, as every held plan closer to the budget than those before
+        it): a caller with other searches to run gives them the time. Default: never.
 
     Returns
     -------
@@ -371,6 +375,8 @@ def stage_milp(graph: ComputeGraph, budget_bytes: int, *, time_limit: float | No
             elif r.peak_bytes < closest:
                 closest = r.peak_bytes  # the closest to the budget so far: repaired, briefly
                 _repair_into(seq, share=REPAIR_SHARE)
+        if held is not None and not fits and give_up_over is not None and r.peak_bytes > give_up_over * budget_bytes:
+            break  # a held plan still far over the budget: the caller's other searches get the time
         if (best is not None and _closed(best_cost, bound, base)) or (enough is not None and bound >= enough):
             break
         if fits and held is not None:

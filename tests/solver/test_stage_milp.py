@@ -239,6 +239,33 @@ def test_past_the_soft_limit_only_held_rounds_closing_in_go_on(monkeypatch):
     assert min(r["peak"] for r in rounds) <= min(peaks) * module.HELD_OVER
 
 
+def test_a_held_plan_far_over_the_budget_ends_the_rounds_where_the_caller_asks(monkeypatch):
+    # give_up_over: the rounds end after a held round whose plan peaks above that times
+    # the budget (auto passes it, and gives its other searches the time); without it
+    # they go on
+    import solver.bounds as bounds
+    from solver.synthetic import random_training_graph
+
+    real = bounds.stage_lp_bound
+
+    def unhurried(*args, **kw):  # every program solved, whatever time is left: which rounds run is the point
+        return real(*args, **{**kw, "time_limit": max(kw["time_limit"], 30.0)})
+
+    monkeypatch.setattr(bounds, "stage_lp_bound", unhurried)
+    g = random_training_graph(24, seed=3)
+    budget = budget_between(g, 0.35)
+    kw = dict(time_limit=60, hold_rounds=True, first=1, more=2)
+    rounds = stage_milp(g, budget, **kw).info["rounds"]
+    over = [i for i, r in enumerate(rounds) if r["held"] and r["peak"] is not None and r["peak"] > budget]
+    assert over and over[0] < len(rounds) - 1  # a held plan over the budget, and rounds after it
+    s = stage_milp(g, budget, give_up_over=1.0, **kw)  # (its first held plan, repaired, fits)
+    ended = s.info["rounds"]
+    assert ended[-1]["held"] and ended[-1]["peak"] > budget
+    assert all(not r["held"] or r["peak"] is None or r["peak"] <= budget for r in ended[:-1])
+    assert len(ended) < len(rounds)
+    _check(g, budget, s)
+
+
 def test_the_first_of_held_rounds_gets_its_share_and_runs_again_without_a_solution(monkeypatch):
     # the first program of held rounds gets FIRST_SHARE of the time; where it gives no
     # solution in it, the same program runs again with the time left, and its bound counts
