@@ -24,7 +24,8 @@ The recipe, cheapest first:
    :data:`STAGE_MILP_SHARE` of the time left; it stops once its bound puts the best
    schedule so far within ``gap_tolerance`` (on a captured Llama at 0.3x its held
    rounds reach the optimum for the reference order in 10 s, where the heuristics
-   after it stop 15 % above); then ``cover`` (which forward values the backward keeps, as a covering MILP over the
+   after it stop 15 % above), and its held rounds end after a plan above
+   :data:`STAGE_MILP_GIVE_UP` times the budget; then ``cover`` (which forward values the backward keeps, as a covering MILP over the
    steps over the budget), then ``block_dp`` (each distinct layer block solved exactly, the blocks composed by
    a DP over the chain) where one block repeats :data:`BLOCK_DP_MIN_REPEATS` times;
    then staged recomputation (:func:`~solver.methods.staged.staged_sequence`) on the
