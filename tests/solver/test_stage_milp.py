@@ -204,7 +204,20 @@ def test_held_rounds_reach_the_optimum_the_whole_rounds_prove():
     assert r.cost == pytest.approx(solver.simulate(g, whole).cost, rel=1e-6)
 
 
-def test_past_the_soft_limit_only_held_rounds_closing_in_go_on(monkeypatch):
+@pytest.fixture
+def unhurried(monkeypatch):
+    """Every stage program solved, whatever time is left: for tests of which rounds run."""
+    import solver.bounds as bounds
+
+    real = bounds.stage_lp_bound
+
+    def solve_fully(*args, **kw):
+        return real(*args, **{**kw, "time_limit": max(kw["time_limit"], 30.0)})
+
+    monkeypatch.setattr(bounds, "stage_lp_bound", solve_fully)
+
+
+def test_past_the_soft_limit_only_held_rounds_closing_in_go_on(monkeypatch, unhurried):
     # a graph whose rounds are held from the second on: with its soft limit spent at
     # once, the first round's plan (1.29x the budget) is too far over for more rounds;
     # where every plan counts as closing in, the held rounds go on past it
@@ -212,15 +225,7 @@ def test_past_the_soft_limit_only_held_rounds_closing_in_go_on(monkeypatch):
 
     from solver.synthetic import random_training_graph
 
-    import solver.bounds as bounds
-
     module = importlib.import_module("solver.methods.stage_milp")  # (solver.methods is a function)
-    real = bounds.stage_lp_bound
-
-    def unhurried(*args, **kw):  # every program solved, whatever time is left: which rounds start is the point
-        return real(*args, **{**kw, "time_limit": max(kw["time_limit"], 30.0)})
-
-    monkeypatch.setattr(bounds, "stage_lp_bound", unhurried)
     g = random_training_graph(24, seed=3)
     budget = budget_between(g, 0.35)
     kw = dict(time_limit=60, hold_rounds=True, first=1, more=2)
@@ -239,19 +244,12 @@ def test_past_the_soft_limit_only_held_rounds_closing_in_go_on(monkeypatch):
     assert min(r["peak"] for r in rounds) <= min(peaks) * module.HELD_OVER
 
 
-def test_a_held_plan_far_over_the_budget_ends_the_rounds_where_the_caller_asks(monkeypatch):
+def test_a_held_plan_far_over_the_budget_ends_the_rounds_where_the_caller_asks(unhurried):
     # give_up_over: the rounds end after a held round whose plan peaks above that times
     # the budget (auto passes it, and gives its other searches the time); without it
     # they go on
-    import solver.bounds as bounds
     from solver.synthetic import random_training_graph
 
-    real = bounds.stage_lp_bound
-
-    def unhurried(*args, **kw):  # every program solved, whatever time is left: which rounds run is the point
-        return real(*args, **{**kw, "time_limit": max(kw["time_limit"], 30.0)})
-
-    monkeypatch.setattr(bounds, "stage_lp_bound", unhurried)
     g = random_training_graph(24, seed=3)
     budget = budget_between(g, 0.35)
     kw = dict(time_limit=60, hold_rounds=True, first=1, more=2)
