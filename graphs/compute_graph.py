@@ -209,6 +209,17 @@ class ComputeGraph:
     def is_op(self, node: Hashable) -> bool:
         return self.nx._node[node]["kind"] == "op"
 
+    @property
+    def node_data(self) -> dict[Hashable, dict[str, Any]]:
+        """Node id -> its attribute dict: networkx's own map, to be read only (the
+        simulator reads it once per step, where ``nx.nodes[v]`` costs a view lookup)."""
+        return self.nx._node
+
+    @property
+    def pred_map(self) -> dict[Hashable, dict]:
+        """Node id -> the nodes it reads (keys): networkx's own map, to be read only."""
+        return self.nx._pred
+
     # the solvers call these hundreds of thousands of times on a captured step: they read
     # networkx's adjacency dicts directly rather than through its views
     def op_preds(self, node: Hashable) -> list[Hashable]:

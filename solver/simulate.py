@@ -128,8 +128,8 @@ def simulate(
     else:
         sequence = list(schedule)
         offloads = []
-    g = graph.nx
-    nodes = g.nodes
+    nodes = graph.node_data
+    pred = graph.pred_map
     n_steps = len(sequence)
     fixed = graph.fixed_bytes
     base_cost = float(sum(nodes[v]["time"] for v in graph.ops))
@@ -157,7 +157,7 @@ def simulate(
         if v not in ops_set:
             error = error or f"step {t}: {v!r} is a {nodes[v]['kind']}, not an op"
         reads = []
-        for u in g.predecessors(v):
+        for u in pred[v]:
             if u not in ops_set:
                 continue
             k = current.get(u)

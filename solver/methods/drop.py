@@ -22,10 +22,10 @@ from typing import Hashable, Sequence
 import numpy as np
 
 from graphs import ComputeGraph
-from solver.simulate import _continues, _workspace, simulate
+from solver.simulate import SimulationResult, _continues, _workspace, simulate
 from solver.simulate import _time as _step_time
 
-__all__ = ["drop_recomputations"]
+__all__ = ["drop_recomputations", "dropped_and_graded"]
 
 log = logging.getLogger(__name__)
 
@@ -238,14 +238,21 @@ def drop_recomputations(graph: ComputeGraph, sequence: Sequence[Hashable], budge
     >>> drop_recomputations(g, seq[:3] + seq[:3] + seq[3:], 10**9) == seq
     True
     """
+    return dropped_and_graded(graph, sequence, budget, deadline=deadline)[0]
+
+
+def dropped_and_graded(graph: ComputeGraph, sequence: Sequence[Hashable], budget: int, *,
+                       deadline: float | None = None) -> tuple[list[Hashable], SimulationResult]:
+    """:func:`drop_recomputations`, with :func:`solver.simulate`'s grade of the result
+    (which it computes anyway), for callers that grade what they get."""
     seq = list(sequence)
     first = simulate(graph, seq)
     if not first.valid:
-        return seq
-    g = graph.nx
-    nodes = g.nodes
+        return seq, first
+    nodes = graph.node_data
+    pred = graph.pred_map
     ops = graph.ops_set
-    info = {v: _Node(nodes[v], tuple(u for u in g.predecessors(v) if u in ops)) for v in set(seq)}
+    info = {v: _Node(nodes[v], tuple(u for u in pred[v] if u in ops)) for v in set(seq)}
     seen: set = set()
     later = []
     for i, v in enumerate(seq):
@@ -253,7 +260,7 @@ def drop_recomputations(graph: ComputeGraph, sequence: Sequence[Hashable], budge
             later.append(i)
         seen.add(v)
     if not later:
-        return seq
+        return seq, first
     later.sort(key=lambda i: -nodes[seq[i]].get("time", 0.0))
     replay = _Replay(info, nodes, seq, graph.fixed_bytes)
     dropped = 0
@@ -270,5 +277,6 @@ def drop_recomputations(graph: ComputeGraph, sequence: Sequence[Hashable], budge
         if not (r.valid and r.peak_bytes <= budget and r.cost <= first.cost * (1 + _ULPS)):
             log.warning("drop_recomputations: the simulator grades the result %s (peak %d B, budget %d B); "
                         "the schedule is kept as it was", r.error or "over the budget", r.peak_bytes, budget)
-            return list(sequence)
-    return out
+            return list(sequence), first
+        return out, r
+    return out, first

@@ -6,7 +6,7 @@ from hypothesis import HealthCheck, given, settings, strategies as st
 
 import solver
 from solver.errors import InfeasibleBudget, NoScheduleFound
-from solver.methods.drop import drop_recomputations
+from solver.methods.drop import drop_recomputations, dropped_and_graded
 from solver.synthetic import random_training_graph
 
 
@@ -65,6 +65,10 @@ def test_the_same_removals_as_one_simulation_per_candidate(seed, frac, slack):
     # a looser budget than the schedule was made for leaves removals to find
     looser = int(budget + slack * (top - budget))
     assert drop_recomputations(g, s.sequence, looser) == _by_simulation(g, s.sequence, looser)
+    # the grade handed back with the result is the simulator's grade of it
+    got, grade = dropped_and_graded(g, s.sequence, looser)
+    again = solver.simulate(g, got)
+    assert (grade.valid, grade.peak_bytes, grade.cost) == (again.valid, again.peak_bytes, again.cost)
 
 
 def test_on_a_captured_graph_the_same_removals_as_one_simulation_per_candidate():
