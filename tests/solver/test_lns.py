@@ -1,7 +1,9 @@
 """Tests of the large neighbourhood search over recomputations."""
 
+import importlib
 import time
 
+import pytest
 from hypothesis import HealthCheck, given, settings, strategies as st
 
 import solver
@@ -13,6 +15,16 @@ from solver.methods.lns import improve_sequence, lns, lp_starts
 from solver.methods.staged import _Plan, relieve, staged_sequence
 from solver.synthetic import budget_between, random_dag, random_training_graph, training_chain
 from tests.solver.test_staged import _first_runs
+
+
+@pytest.fixture(scope="module")
+def monkeypatch_drift():
+    """The search may take neighbours up to twice the cheapest schedule's extra compute."""
+    module = importlib.import_module("solver.methods.lns")
+    mp = pytest.MonkeyPatch()
+    mp.setattr(module, "DRIFT", 1.0)
+    yield
+    mp.undo()
 
 
 def _graph(n, seed, training):
@@ -62,6 +74,18 @@ def test_lns_never_beats_the_exhaustive_optimum(n, seed, frac, training):
     assert r.cost >= best * (1 - 1e-9)
     if s.lower_bound is not None:
         assert s.lower_bound <= r.cost * (1 + 1e-9)
+
+
+@settings(max_examples=25, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@given(n=st.integers(6, 16), seed=st.integers(0, 10_000), frac=st.floats(0.0, 0.8))
+def test_a_search_that_drifts_far_still_returns_the_cheapest_schedule_it_saw(n, seed, frac, monkeypatch_drift):
+    g, budget, start = _case(n, seed, frac, True, "lru")
+    if start is None:
+        return
+    out = improve_sequence(g, start, budget, deadline=time.perf_counter() + 0.05, seed=seed)
+    r = solver.simulate(g, out)
+    assert r.valid and r.peak_bytes <= budget
+    assert r.cost <= solver.simulate(g, start).cost * (1 + 1e-9)
 
 
 def test_the_search_finds_a_cheaper_schedule_than_its_start():
