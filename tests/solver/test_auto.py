@@ -353,3 +353,38 @@ def test_a_long_chain_that_eviction_does_not_fit_in_time_gets_the_chain_family()
     assert r.valid and r.peak_bytes <= budget
     assert r.cost <= chen.cost
     assert "chen_sqrt" in s.info["auto"]["tried"]
+
+
+def test_a_large_graph_with_a_fixed_order_bound_leaves_the_time_of_the_free_order_one_to_the_search(monkeypatch):
+    # with a time limit, past BOUND_LIMITED_MAX_OPS ops, a winner that keeps the reference
+    # order with stage_milp's bound known: the bound valid in any order is not computed
+    import importlib
+    import random
+
+    from solver.synthetic import budget_between
+
+    bounds = importlib.import_module("solver.bounds")
+    module = importlib.import_module("solver.methods.auto")
+    calls = []
+    free = bounds.free_order_bound
+
+    def recorded(*args, **kw):
+        calls.append(kw)
+        return free(*args, **kw)
+
+    monkeypatch.setattr(bounds, "free_order_bound", recorded)
+    rng = random.Random(2)
+    g = training_chain(70, fwd_bytes=[rng.randint(1, 9) for _ in range(70)])
+    budget = budget_between(g, 0.3)
+    scopes = {}
+    default = module.BOUND_LIMITED_MAX_OPS
+    for limit in (default, len(g.ops) - 1):
+        monkeypatch.setattr(module, "BOUND_LIMITED_MAX_OPS", limit)
+        calls.clear()
+        s = solver.solve(g, budget, method="auto", time_limit=3, gap_tolerance=0.0)
+        r = solver.simulate(g, s)
+        assert r.valid and r.peak_bytes <= budget
+        assert isinstance(s.info["auto"]["tried"]["stage_milp"], float)
+        scopes[limit] = (len(calls), s.info["bound_scope"])
+    assert scopes[len(g.ops) - 1] == (0, "fixed order")
+    assert scopes[default] == (1, "free order")  # below the size it runs (and proves as much here)
