@@ -66,7 +66,8 @@ CANDIDATES = (8, 16, 32)
 #: (record-to-record travel: the search may step to a slightly costlier neighbour). From
 #: the ``lp_eviction`` schedule of captured HF GPT-2 and GPT at 0.3x, ten seeds with 3 s
 #: each end at +31.10 % and +30.84 % on average with it, +31.72 % and +30.93 % without;
-#: at 0.7x and 0.5x, and on a Llama, the results are the same.
+#: on HF GPT-2 at 0.7x and 0.5x, GPT at 0.5x and a Llama at 0.5x and 0.3x (3-4 seeds
+#: each) they are the same.
 DRIFT = 0.01
 #: Costs this close (relative) are equal.
 _ULPS = 1e-12
