@@ -142,14 +142,22 @@ ZOO_LARGE = {
 ZOO_LARGE_METHODS = ("auto", "eviction", "lp_eviction", "cover", "lns", "stage_milp", "block_dp")
 
 
-def zoo_graphs(only: str | None = None, zoo: dict | None = None, *, replay: bool = True):
+def _capture_file(folder: pathlib.Path, name: str) -> pathlib.Path:
+    return folder / (name.replace(" ", "_") + ".json")
+
+
+def zoo_graphs(only: str | None = None, zoo: dict | None = None, *, replay: bool = True,
+               save: pathlib.Path | None = None, load: pathlib.Path | None = None):
     """Capture each model of ``zoo`` (default :data:`ZOO`) as its training step (yields
     name, ComputeGraph).
 
     With ``replay`` (default), random ops (dropout) may run again, their generator
     states kept (:func:`graphs.rewrite.replay_random_ops`): the graph ``solver.optimize``
     plans. Without it, each dropout mask is computed once and held for its backward, as
-    ``capture`` alone gives."""
+    ``capture`` alone gives. ``save``: a folder where each graph is written
+    (``<name>.json``, spaces as underscores); ``load``: a folder of graphs so written,
+    read instead of capturing (op times are measured at capture, so a graph read back
+    gives the same cells again)."""
     import torch
 
     from examples import models
@@ -159,12 +167,18 @@ def zoo_graphs(only: str | None = None, zoo: dict | None = None, *, replay: bool
     for name, (builder, kwargs) in (ZOO if zoo is None else zoo).items():
         if only and only not in name:
             continue
-        torch.manual_seed(0)
-        model, inputs = getattr(models, builder)(**kwargs)
-        g = capture(model, inputs, backward="outputs")
+        if load is not None:
+            g = ComputeGraph.load(_capture_file(load, name))
+        else:
+            torch.manual_seed(0)
+            model, inputs = getattr(models, builder)(**kwargs)
+            g = capture(model, inputs, backward="outputs")
+            if replay:
+                replay_random_ops(g)
         g.name = name
-        if replay:
-            replay_random_ops(g)
+        if save is not None:
+            save.mkdir(parents=True, exist_ok=True)
+            g.save(_capture_file(save, name))
         yield name, g
 
 
@@ -182,14 +196,16 @@ def _open(row: dict) -> bool:
 
 
 def run_zoo(*, time_limit: float, only: str | None, method_names: list[str] | None,
-            large: bool = False, long_limit: float = 0.0, replay: bool = True) -> list[dict]:
+            large: bool = False, long_limit: float = 0.0, replay: bool = True,
+            save: pathlib.Path | None = None, load: pathlib.Path | None = None) -> list[dict]:
     """Every zoo graph (with ``large``, of :data:`ZOO_LARGE`) at :data:`ZOO_FRACTIONS` of
     its store-all peak, each method with ``time_limit`` seconds; where ``auto`` leaves
     the goal open (:func:`_open`) and ``long_limit`` is longer, ``auto`` again with
-    ``long_limit`` seconds (a row of its own). ``replay``: as for :func:`zoo_graphs`."""
+    ``long_limit`` seconds (a row of its own). ``replay``, ``save``, ``load``: as for
+    :func:`zoo_graphs`."""
     rows: list[dict] = []
     default = ZOO_LARGE_METHODS if large else ZOO_METHODS
-    for name, g in zoo_graphs(only, ZOO_LARGE if large else None, replay=replay):
+    for name, g in zoo_graphs(only, ZOO_LARGE if large else None, replay=replay, save=save, load=load):
         topo = simulate(g, g.order).peak_bytes
         for frac in ZOO_FRACTIONS:
             budget = int(frac * topo)
@@ -353,6 +369,10 @@ def main() -> None:
     ap.add_argument("--zoo-masks-held", action="store_true",
                     help="capture the zoo as capture() gives it: each dropout mask computed once and held "
                          "(default: random ops replayed, as solver.optimize plans)")
+    ap.add_argument("--zoo-save", type=pathlib.Path, default=None,
+                    help="write each zoo capture to this folder (<name>.json)")
+    ap.add_argument("--zoo-load", type=pathlib.Path, default=None,
+                    help="read the zoo's graphs from a folder --zoo-save wrote, instead of capturing")
     ap.add_argument("--zoo-methods", default=None, help="comma-separated methods for the zoo "
                     f"(default: {','.join(ZOO_METHODS)})")
     args = ap.parse_args()
@@ -366,7 +386,7 @@ def main() -> None:
     args.out.mkdir(parents=True, exist_ok=True)
     if args.zoo_large:
         zoo = run_zoo(time_limit=args.zoo_time_limit, only=args.only, large=True, long_limit=args.zoo_long_limit,
-                      replay=not args.zoo_masks_held,
+                      replay=not args.zoo_masks_held, save=args.zoo_save, load=args.zoo_load,
                       method_names=args.zoo_methods.split(",") if args.zoo_methods else None)
         (args.out / "zoo_large.json").write_text(json.dumps(zoo, indent=1, default=str))
         (args.out / "zoo_large.md").write_text(markdown(zoo))
@@ -374,7 +394,7 @@ def main() -> None:
         return
     if args.zoo or args.zoo_only:
         zoo = run_zoo(time_limit=args.zoo_time_limit, only=args.only, long_limit=args.zoo_long_limit,
-                      replay=not args.zoo_masks_held, method_names=args.zoo_methods.split(",") if args.zoo_methods else None)
+                      replay=not args.zoo_masks_held, save=args.zoo_save, load=args.zoo_load, method_names=args.zoo_methods.split(",") if args.zoo_methods else None)
         (args.out / "zoo.json").write_text(json.dumps(zoo, indent=1, default=str))
         (args.out / "zoo.md").write_text(markdown(zoo) + "\n" + zoo_table(zoo))
         print(f"wrote {args.out / 'zoo.json'} and {args.out / 'zoo.md'}")
