@@ -212,12 +212,30 @@ class ComputeGraph:
     @property
     def node_data(self) -> dict[Hashable, dict[str, Any]]:
         """Node id -> its attribute dict: networkx's own map, to be read only (the
-        simulator reads it once per step, where ``nx.nodes[v]`` costs a view lookup)."""
+        simulator reads it once per step, where ``nx.nodes[v]`` costs a view lookup).
+
+        Examples
+        --------
+        >>> g = ComputeGraph()
+        >>> g.add_node("a", bytes=4, time=1.0)
+        >>> g.node_data["a"]["bytes"]
+        4
+        """
         return self.nx._node
 
     @property
     def pred_map(self) -> dict[Hashable, dict]:
-        """Node id -> the nodes it reads (keys): networkx's own map, to be read only."""
+        """Node id -> the nodes it reads (the keys of its map): networkx's own map, to
+        be read only.
+
+        Examples
+        --------
+        >>> g = ComputeGraph()
+        >>> for v in "ab": g.add_node(v, bytes=1, time=1.0)
+        >>> g.add_edge("a", "b")
+        >>> list(g.pred_map["b"]), list(g.pred_map["a"])
+        (['a'], [])
+        """
         return self.nx._pred
 
     # the solvers call these hundreds of thousands of times on a captured step: they read

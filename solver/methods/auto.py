@@ -46,8 +46,8 @@ The recipe, cheapest first:
 7. the gap: first the bound valid in any order, :func:`solver.bounds.free_order_bound`
    (the stage LP at ops placed by the DAG alone; with a time limit, not on graphs past
    :data:`BOUND_LIMITED_MAX_OPS` ops whose winner keeps the reference order with
-   ``stage_milp``'s bound known, where the search below needs the time); then, when the winner keeps the
-   reference order, the fixed-order lower bound of
+   ``stage_milp``'s bound known, where the search below needs the time); then, when
+   the winner keeps the reference order, the fixed-order lower bound of
    :func:`solver.bounds.fixed_order_bound` (forced recomputation, an LP at each of
    the steps most over the budget, then the 0/1 stage program at the best of them),
    then, on small graphs, the MILP's bound. Each stops once its bound closes the gap

@@ -12,10 +12,10 @@ perturbed, and drops the repeats the budget does not need
 (:func:`~solver.methods.drop.drop_recomputations`). The simulator grades every
 repaired sequence; one that costs no more than the current one, or little more than
 the cheapest seen (:data:`DRIFT`; record-to-record travel, Dueck 1993), replaces the
-current one (so the search can leave a local optimum), and the cheapest seen is returned; the order of first runs stays the
-start's, so a fixed-order bound still holds for the result. Shaw, "Using Constraint Programming
-and Local Search Methods to Solve Vehicle Routing Problems" (CP 1998) and Ropke and
-Pisinger (2006) describe the scheme.
+current one (so the search can leave a local optimum), and the cheapest seen is
+returned; the order of first runs stays the start's, so a fixed-order bound still holds
+for the result. Shaw, "Using Constraint Programming and Local Search Methods to Solve
+Vehicle Routing Problems" (CP 1998) and Ropke and Pisinger (2006) describe the scheme.
 
 The staged plan charges a value held into a stage for the whole stage, so it may see a
 stage over the budget that the simulator does not; the repair holds each stage only to
