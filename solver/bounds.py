@@ -957,20 +957,15 @@ def relaxed_peak_bound(graph: ComputeGraph, *, lower: int, upper: int, first: in
     >>> lb <= relaxed_peak_bound(g, lower=lb, upper=6) <= 6
     True
     """
-    from solver.deadline import Deadline
+    from solver.feasibility import bisect_peak_bound
 
-    deadline = Deadline(time_limit)
-    lo, hi = int(lower), max(int(lower), int(upper))  # every peak is >= lo; hi is not ruled out
-    if hi <= lo or not graph.ops:
-        return lo
+    if int(upper) <= int(lower) or not graph.ops:
+        return int(lower)
     facts = _Ancestry(graph)
-    probe = first if first is not None and lo <= first < hi else (lo + hi) // 2
-    while hi - lo > max(1, hi // 200) and deadline.left() > 0.05:
-        seconds = min(PROBE_SECONDS, deadline.left())
-        ruled_out = math.isinf(free_order_bound(graph, probe, time_limit=seconds, enough=math.inf, _facts=facts))
-        if ruled_out:
-            lo = probe + 1  # no schedule peaks at or below the probe
-        else:
-            hi = probe  # not ruled out: the bound stays below it
-        probe = (lo + hi) // 2
-    return lo
+
+    def rules_out(budget: int, deadline) -> bool | None:
+        bound = free_order_bound(graph, budget, time_limit=max(0.0, deadline.left()), enough=math.inf, _facts=facts)
+        return True if math.isinf(bound) else None
+
+    return bisect_peak_bound(rules_out, lower=lower, upper=upper, first=first, time_limit=time_limit,
+                             probe_seconds=PROBE_SECONDS, resolution=200)[0]

@@ -49,6 +49,10 @@ class InfeasibleBudget(RematError, ValueError):
     held_bytes : int
         Bytes that, beside the culprit's own, hold the results of ops that run only
         once (random ops such as dropout masks) for later readers while it runs.
+    held_before : bool
+        The lower bound holds at an earlier step than the culprit's own: it is what
+        making the culprit's inputs resident needs
+        (:func:`solver.feasibility.last_computed_peak_bound`).
     """
 
     def __init__(
@@ -61,6 +65,7 @@ class InfeasibleBudget(RematError, ValueError):
         culprit_name: str | None = None,
         what: str = "peak",
         held_bytes: int = 0,
+        held_before: bool = False,
     ) -> None:
         self.budget_bytes = int(budget_bytes)
         self.smallest_feasible_bytes = int(smallest_feasible_bytes)
@@ -68,6 +73,7 @@ class InfeasibleBudget(RematError, ValueError):
         self.proven = self.lower_bound_bytes >= self.smallest_feasible_bytes
         self.culprit = culprit
         self.held_bytes = int(held_bytes)
+        self.held_before = bool(held_before)
         if self.proven or self.budget_bytes < self.lower_bound_bytes:
             msg = (
                 f"budget {format_bytes(self.budget_bytes)} ({self.budget_bytes} B) is infeasible: "
@@ -87,6 +93,10 @@ class InfeasibleBudget(RematError, ValueError):
             msg += (f"; while op {culprit_name or repr(culprit)} runs, its inputs + output and "
                     f"{format_bytes(self.held_bytes)} holding the results of ops that run only once "
                     "(random ops such as dropout masks) for later readers must be resident")
+        elif culprit is not None and self.held_before:
+            msg += (f"; making the inputs of op {culprit_name or repr(culprit)} resident needs more in every "
+                    "order: the one of them computed last runs while the others are held, and so on back "
+                    "to the step's inputs")
         elif culprit is not None:
             msg += f"; op {culprit_name or repr(culprit)} alone needs its inputs + output resident"
         msg += ". Ask for at least the smallest feasible budget."

@@ -118,6 +118,9 @@ PROOF_SECONDS = 1.0
 #: Seconds at most for the bound of what run-once ops hold
 #: (:func:`solver.feasibility.run_once_peak_bound`), tried first.
 ONCE_SECONDS = 1.0
+#: Seconds at most for the bound of what making each op's inputs resident needs
+#: (:func:`solver.feasibility.last_computed_peak_bound`), tried second.
+LAST_SECONDS = 1.0
 #: Seconds at most for the chain family's smallest peak on a training graph (Chen's
 #: segments: on a chain of thousands of layers the low-memory search's eviction probes
 #: do not finish, and the store-all peak would be named where a tenth of it is reached).
@@ -146,10 +149,12 @@ def _not_reached(graph: ComputeGraph, budget: int, exc: NoScheduleFound, left: f
     proven bound) or :class:`BudgetNotReached` naming the least peak that a schedule is
     known to reach -- the method's own ``best_peak``, the low-memory search's or, on a
     training graph, that of Chen's sqrt(L) segments, whichever is least -- searched for
-    in the time that is ``left`` (seconds; None: no limit). With
-    ``prove``, a budget between the bounds is tried against what ops that run once hold
-    (:func:`solver.feasibility.run_once_peak_bound`) and the order-free stage relaxation
-    (:func:`solver.bounds.relaxed_peak_bound`), which may raise the proven bound."""
+    in the time that is ``left`` (seconds; None: no limit). With ``prove``, a budget
+    between the bounds is tried against what ops that run once hold
+    (:func:`solver.feasibility.run_once_peak_bound`), what making each op's inputs
+    resident needs (:func:`solver.feasibility.last_computed_peak_bound`) and the
+    order-free stage relaxation (:func:`solver.bounds.relaxed_peak_bound`), which may
+    raise the proven bound."""
     if isinstance(exc, InfeasibleBudget):
         return exc
     if left is not None and left < FIGURES_MIN_SECONDS:
@@ -168,24 +173,31 @@ def _not_reached(graph: ComputeGraph, budget: int, exc: NoScheduleFound, left: f
         found = chain
     if budget >= found:
         return exc  # a schedule within the budget exists: the method's own failure
-    held = 0
+    held, before = 0, False
     if prove and budget >= lb:
         # between the bounds: what ops that run once must hold (dropout masks) may prove
-        # the budget infeasible, then the order-free stage relaxation may raise it more
+        # the budget infeasible, then what making each op's inputs resident needs, then
+        # the order-free stage relaxation may raise it more
         from solver.bounds import relaxed_peak_bound
-        from solver.feasibility import run_once_peak_bound
+        from solver.feasibility import last_computed_peak_bound, run_once_peak_bound
 
-        rest = ONCE_SECONDS if left is None else min(ONCE_SECONDS, left - (time.perf_counter() - t0))
-        if rest > FIGURES_MIN_SECONDS:
-            raised, op, extra = run_once_peak_bound(graph, time_limit=rest)
+        def rest(most: float) -> float:
+            return most if left is None else min(most, left - (time.perf_counter() - t0))
+
+        if rest(ONCE_SECONDS) > FIGURES_MIN_SECONDS:
+            raised, op, extra = run_once_peak_bound(graph, time_limit=rest(ONCE_SECONDS))
             if raised > lb:
                 lb, culprit, held = min(raised, found), op, extra
-        rest = PROOF_SECONDS if left is None else min(PROOF_SECONDS, left - (time.perf_counter() - t0))
-        if budget >= lb and rest > FIGURES_MIN_SECONDS:
-            raised = relaxed_peak_bound(graph, lower=lb, upper=found, first=budget, time_limit=rest)
+        if budget >= lb and rest(LAST_SECONDS) > FIGURES_MIN_SECONDS:
+            raised, op = last_computed_peak_bound(graph, lower=lb, upper=found, first=budget,
+                                                  time_limit=rest(LAST_SECONDS))
             if raised > lb:
-                lb, culprit, held = raised, None, 0  # (no single op forces it)
+                lb, culprit, held, before = raised, op, 0, True
+        if budget >= lb and rest(PROOF_SECONDS) > FIGURES_MIN_SECONDS:
+            raised = relaxed_peak_bound(graph, lower=lb, upper=found, first=budget, time_limit=rest(PROOF_SECONDS))
+            if raised > lb:
+                lb, culprit, held, before = raised, None, 0, False  # (no single op forces it)
     name = (graph[culprit].get("name") or graph[culprit].get("op")) if culprit is not None else None
     cls = InfeasibleBudget if budget < lb else BudgetNotReached
     return cls(budget, found, lower_bound_bytes=lb, culprit=culprit,
-               culprit_name=f"{culprit!r} ({name})" if name else None, held_bytes=held)
+               culprit_name=f"{culprit!r} ({name})" if name else None, held_bytes=held, held_before=before)

@@ -92,6 +92,10 @@ log = logging.getLogger(__name__)
 
 #: Graphs with at most this many ops get an exact method when time is left.
 EXACT_MAX_OPS = 120
+#: Seconds at most for proving, where no heuristic fits a small graph, that no
+#: schedule does (:func:`solver.feasibility.last_computed_rules_out`) before the exact
+#: methods are tried with the rest of the limit.
+PROOF_SECONDS = 0.5
 #: Training graphs with at most this many ops also try ``chain_dp``.
 CHAIN_DP_MAX_OPS = 120
 #: Order search runs on a training graph only when a greedy low-memory order lowers the
@@ -479,8 +483,18 @@ def solve_auto(graph: ComputeGraph, budget: int, *, time_limit: float | None = N
         # 5. exact methods on small graphs, warm-started, while the gap is not closed
         #    (also when the time is spent and no heuristic fits, with a short slice each:
         #    the only chance left)
-        rescue = best[0] is None
+        rescue, hopeless = best[0] is None, False
         stage_program()  # (where only the searches after 3c found a schedule)
+        if rescue and best[0] is None and n <= EXACT_MAX_OPS:
+            # no exact method fits a budget that making some op's inputs resident
+            # exceeds in every order: the rescue would spend the rest of the limit
+            from solver.feasibility import last_computed_rules_out
+
+            seconds = PROOF_SECONDS if unlimited else min(PROOF_SECONDS, max(0.0, left()))
+            culprit = last_computed_rules_out(graph, budget, time_limit=seconds)
+            if culprit is not None:
+                hopeless = True
+                tried["last_computed_peak_bound"] = f"no schedule fits: the inputs of {culprit!r} do not"
         if n <= EXACT_MAX_OPS and use_bound and not rescue and use_exact and left() > 1.0 and extra():
             # the stage bounds first (a fraction of a second here): the exact methods
             # run only while they leave the gap open
@@ -503,7 +517,7 @@ def solve_auto(graph: ComputeGraph, budget: int, *, time_limit: float | None = N
                                           deadline=_time.perf_counter() + LNS_SHARE * left(), ix=ix)
                 consider("lns", Schedule(sequence=list(better), method="lns"),
                          "large neighbourhood search over the best schedule's recomputations")
-        if n <= EXACT_MAX_OPS and (rescue or (use_exact and left() > 1.0 and extra() and not close_enough())):
+        if n <= EXACT_MAX_OPS and not hopeless and (rescue or (use_exact and left() > 1.0 and extra() and not close_enough())):
             hint = best[0] if best[0] is not None and not reorders.get(best[0].method, True) else None
             for k, name in enumerate(("cpsat", "checkmate_milp")):
                 if best[0] is not None and (left() <= 1.0 or close_enough()):

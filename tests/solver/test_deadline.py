@@ -9,7 +9,11 @@ import time
 import pytest
 
 from solver.deadline import Deadline, OutOfTime
-from solver.errors import NoScheduleFound
+from solver.errors import InfeasibleBudget, NoScheduleFound
+
+#: What a method or ``solve`` may raise instead of a schedule: none found, or (from
+#: ``solve``) proven not to exist.
+NO_SCHEDULE = (NoScheduleFound, InfeasibleBudget)
 from solver.methods.auto import solve_auto
 from solver.solving import get_method, methods
 from solver.simulate import simulate
@@ -51,7 +55,7 @@ def _timed(fn, *args, **kwargs):
     t = time.perf_counter()
     try:
         out = fn(*args, **kwargs)
-    except NoScheduleFound as exc:
+    except NO_SCHEDULE as exc:
         out = exc
     return out, time.perf_counter() - t
 
@@ -61,7 +65,7 @@ def test_exact_method_keeps_its_time_limit_on_a_large_graph(method):
     g, budget = _graph(150)  # 300 ops: the model alone takes far longer than the limit to build
     out, elapsed = _timed(get_method(method).fn, g, budget, time_limit=LIMIT)
     assert elapsed <= LIMIT + SLACK, f"{method} took {elapsed:.2f} s for a limit of {LIMIT} s"
-    if not isinstance(out, NoScheduleFound):
+    if not isinstance(out, NO_SCHEDULE):
         r = simulate(g, out)
         assert r.valid and r.peak_bytes <= budget
 
@@ -72,7 +76,7 @@ def test_exact_method_out_of_time_returns_its_warm_start(method):
     hint = get_method("eviction").fn(g, budget)
     out, elapsed = _timed(get_method(method).fn, g, budget, time_limit=LIMIT, hint=hint)
     assert elapsed <= LIMIT + SLACK, f"{method} took {elapsed:.2f} s for a limit of {LIMIT} s"
-    assert not isinstance(out, NoScheduleFound), out
+    assert not isinstance(out, NO_SCHEDULE), out
     r = simulate(g, out)
     assert r.valid and r.peak_bytes <= budget and r.cost <= simulate(g, hint).cost
     assert out.info["status"] in ("hint", "feasible", "optimal", "optimal_within_copies")
@@ -90,7 +94,7 @@ def test_every_method_keeps_its_time_limit_where_it_finds_little(method):
     g, budget = _graph(150, fraction=0.5)
     out, elapsed = _timed(get_method(method).fn, g, budget, time_limit=LIMIT)
     assert elapsed <= LIMIT + SLACK, f"{method} took {elapsed:.2f} s for a limit of {LIMIT} s"
-    if not isinstance(out, NoScheduleFound):
+    if not isinstance(out, NO_SCHEDULE):
         assert simulate(g, out).peak_bytes <= budget
 
 
@@ -121,7 +125,7 @@ def _keeps_limit_by_cpu_or_wall(method, g, budget):
     out, elapsed = _timed(get_method(method).fn, g, budget, time_limit=LIMIT)
     elapsed = min(elapsed, time.process_time() - cpu)
     assert elapsed <= LIMIT + SLACK, f"{method} took {elapsed:.2f} s for a limit of {LIMIT} s"
-    if not isinstance(out, NoScheduleFound):
+    if not isinstance(out, NO_SCHEDULE):
         assert simulate(g, out).peak_bytes <= budget
 
 
@@ -194,7 +198,7 @@ def test_auto_keeps_its_time_limit(n_forward):
     g, budget = _graph(n_forward)
     out, elapsed = _timed(solve_auto, g, budget, time_limit=LIMIT)
     assert elapsed <= LIMIT + SLACK, f"auto took {elapsed:.2f} s for a limit of {LIMIT} s"
-    if not isinstance(out, NoScheduleFound):
+    if not isinstance(out, NO_SCHEDULE):
         assert simulate(g, out).peak_bytes <= budget
 
 
@@ -206,7 +210,7 @@ def test_solve_keeps_the_time_limit_when_the_method_finds_nothing(method):
     g, budget = _graph(150, fraction=0.5)
     out, elapsed = _timed(solve, g, budget, method=method, time_limit=LIMIT)
     assert elapsed <= LIMIT + SLACK, f"solve({method!r}) took {elapsed:.2f} s for a limit of {LIMIT} s"
-    if not isinstance(out, NoScheduleFound):
+    if not isinstance(out, NO_SCHEDULE):
         assert simulate(g, out).peak_bytes <= budget
 
 
@@ -236,5 +240,5 @@ def test_cover_keeps_its_time_limit_where_thousands_of_steps_are_over_the_budget
     budget = int(0.5 * simulate(g, g.order).peak_bytes)
     out, elapsed = _timed(get_method("cover").fn, g, budget, time_limit=LIMIT)
     assert elapsed <= LIMIT + SLACK, f"cover took {elapsed:.2f} s for a limit of {LIMIT} s"
-    if not isinstance(out, NoScheduleFound):
+    if not isinstance(out, NO_SCHEDULE):
         assert simulate(g, out).peak_bytes <= budget

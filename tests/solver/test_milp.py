@@ -7,7 +7,7 @@ import random
 import pytest
 from hypothesis import given, settings, strategies as st
 
-from solver import NoScheduleFound, simulate, solve
+from solver import InfeasibleBudget, NoScheduleFound, simulate, solve
 from solver.feasibility import peak_lower_bound
 from solver.methods.bruteforce import brute_force_fixed
 from solver.methods.milp import checkmate_milp, lower_bound, lp_lower_bound, stage_form
@@ -87,8 +87,8 @@ def test_milp_and_chain_dp_agree_on_chains(n, seed, frac):
     budget = budget_between(g, frac)
     try:
         milp = solve(g, budget, method="checkmate_milp")
-    except NoScheduleFound:  # nothing in the stage space fits: the DP must agree
-        with pytest.raises(NoScheduleFound):
+    except (NoScheduleFound, InfeasibleBudget):  # nothing in the stage space fits: the DP must agree
+        with pytest.raises((NoScheduleFound, InfeasibleBudget)):
             solve(g, budget, method="chain_dp")
         return
     dp = solve(g, budget, method="chain_dp")
