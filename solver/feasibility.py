@@ -215,6 +215,10 @@ def _held_bytes(ix, v: int, once: list[int], desc: list[int], readers: list[int]
 #: Seconds at most for one budget's search in :func:`last_computed_peak_bound` (one
 #: that runs out proves nothing).
 PROBE_SECONDS = 0.5
+#: Graphs with more ops than this are not searched by :func:`last_computed_peak_bound`
+#: (nothing is proven): on a 10,000-op training graph the sets held by the search took
+#: gigabytes and the search ran seconds past its limit.
+LAST_COMPUTED_MAX_OPS = 2000
 
 
 def last_computed_peak_bound(graph: ComputeGraph, *, lower: int, upper: int, first: int | None = None,
@@ -232,8 +236,9 @@ def last_computed_peak_bound(graph: ComputeGraph, *, lower: int, upper: int, fir
     ops; the search ends, as every set of a way back is earlier in the reference order
     than the one it came from. Values of no bytes are left out of the sets (a smaller set
     needs no more). Budgets are bisected between ``lower`` and ``upper`` to 0.1 % of
-    ``upper``; a budget whose search runs out of :data:`PROBE_SECONDS` proves nothing.
-    Not a bound for schedules that offload.
+    ``upper``; a budget whose search runs out of :data:`PROBE_SECONDS` proves nothing,
+    and graphs of more than :data:`LAST_COMPUTED_MAX_OPS` ops are not searched. Not a
+    bound for schedules that offload.
 
     Parameters
     ----------
@@ -270,7 +275,7 @@ def last_computed_peak_bound(graph: ComputeGraph, *, lower: int, upper: int, fir
     >>> lb, last_computed_peak_bound(g, lower=lb, upper=12)
     (8, (10, 'c'))
     """
-    if not graph.ops:
+    if not graph.ops or len(graph.ops) > LAST_COMPUTED_MAX_OPS:
         return int(lower), None
     rules_out = _last_computed_probe(graph)
     return bisect_peak_bound(rules_out, lower=lower, upper=upper, first=first, time_limit=time_limit,
@@ -293,7 +298,9 @@ def last_computed_rules_out(graph: ComputeGraph, budget: int, *, time_limit: flo
     """
     from solver.deadline import Deadline
 
-    return _last_computed_probe(graph)(int(budget), Deadline(time_limit)) if graph.ops else None
+    if not graph.ops or len(graph.ops) > LAST_COMPUTED_MAX_OPS:
+        return None
+    return _last_computed_probe(graph)(int(budget), Deadline(time_limit))
 
 
 def _last_computed_probe(graph: ComputeGraph):
@@ -374,7 +381,11 @@ def _no_way_back(ix, ws: list[int], cap: int, deadline) -> int | None:
         """The sets one step back from ``s`` (of ``held`` bytes) whose step fits."""
         out = []
         rest = s
+        k = 0
         while rest:
+            k += 1
+            if k & 63 == 0:  # (a set of thousands of values takes long to step back from)
+                deadline.check("bounding the peak")
             low = rest & -rest
             rest ^= low
             x = low.bit_length() - 1
@@ -393,7 +404,7 @@ def _no_way_back(ix, ws: list[int], cap: int, deadline) -> int | None:
         stack = [(start, iter(after(start, held)))]
         while stack:
             count += 1
-            if count & 1023 == 0:
+            if count & 15 == 0:
                 deadline.check("bounding the peak")
             s, nexts = stack[-1]
             for held2, s2 in nexts:

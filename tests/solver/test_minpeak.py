@@ -228,6 +228,24 @@ def test_the_last_computed_bound_rises_where_a_join_waits_for_a_second_branch():
     assert raised >= 3
 
 
+def test_the_last_computed_bound_leaves_graphs_past_its_size_alone(monkeypatch):
+    # a graph whose bound rises; past the size limit it is not searched (on 10,000 ops
+    # the search held gigabytes and ran seconds past its limit)
+    from solver import feasibility
+    from solver.synthetic import small_graph
+
+    for seed in range(60):
+        g = small_graph(1, 8, seed)
+        lb = solver.peak_lower_bound(g)[0]
+        if feasibility.last_computed_peak_bound(g, lower=lb, upper=2 * lb, time_limit=10)[0] > lb:
+            break
+    else:
+        pytest.fail("no small graph where the bound rises")
+    monkeypatch.setattr(feasibility, "LAST_COMPUTED_MAX_OPS", len(g.ops) - 1)
+    assert feasibility.last_computed_peak_bound(g, lower=lb, upper=2 * lb, time_limit=10) == (lb, None)
+    assert feasibility.last_computed_rules_out(g, lb, time_limit=10) is None
+
+
 def test_a_captured_resnet_budget_below_what_its_joins_need_is_proven_infeasible():
     """On a captured ResNet the gradient of a residual's skip is held while the
     convolution's backward on the other branch runs with its workspace: no single op
