@@ -25,8 +25,8 @@ bytes. A budget is ruled out when, from some op's inputs, every way back to the 
 inputs (the empty set) passes a step above it: a search over these sets (the black
 pebble game played backward), exhaustive where it proves. On a captured ResNet it
 raises the bound from 0.445x to 0.53x the store-all peak, where 0.536x is reached:
-the backward of the first block's convolutions needs its 8 MiB workspace while the
-gradient of the skip connection is held. Like the run-once bound it is for schedules
+in every order some convolution backward of the first block runs with its 8 MiB
+workspace while a gradient of the other branch is held. Like the run-once bound it is for schedules
 that recompute, not for those that offload.
 """
 
@@ -37,8 +37,8 @@ from typing import Hashable
 
 from graphs import ComputeGraph
 
-__all__ = ["peak_lower_bound", "op_footprint", "run_once_peak_bound", "last_computed_peak_bound",
-           "last_computed_rules_out", "bisect_peak_bound"]
+__all__ = ["peak_lower_bound", "op_footprint", "least_workspaces", "run_once_peak_bound",
+           "last_computed_peak_bound", "last_computed_rules_out", "bisect_peak_bound"]
 
 
 def op_footprint(graph: ComputeGraph, node: Hashable) -> int:
@@ -55,6 +55,23 @@ def op_footprint(graph: ComputeGraph, node: Hashable) -> int:
     return int(
         sum(graph[u]["bytes"] for u in graph.op_preds(node)) + d["bytes"] + d.get("workspace", 0)
     )
+
+
+def least_workspaces(graph: ComputeGraph, ix) -> list[int]:
+    """Each op's workspace (by index of ``ix``, an :class:`~solver.indexed.IndexedGraph`
+    of ``graph``) at its least: a projection of a multi-output op that continues a run
+    is charged its ``run_workspace``.
+
+    Examples
+    --------
+    >>> from solver.indexed import IndexedGraph
+    >>> g = ComputeGraph()
+    >>> g.add_node("a", bytes=1, workspace=8, run_workspace=2)
+    >>> least_workspaces(g, IndexedGraph.of(g))
+    [2]
+    """
+    nodes = graph.nx.nodes
+    return [min(ix.workspace[v], int(nodes[ix.ids[v]].get("run_workspace", ix.workspace[v]))) for v in range(ix.n)]
 
 
 def peak_lower_bound(graph: ComputeGraph) -> tuple[int, Hashable | None]:
@@ -139,9 +156,7 @@ def run_once_peak_bound(graph: ComputeGraph, *, time_limit: float | None = 1.0) 
     if not once:
         return lb, culprit, 0
     deadline = None if time_limit is None else _time.perf_counter() + float(time_limit)
-    nodes = graph.nx.nodes
-    # a continuing projection of a multi-output op is charged its run_workspace
-    ws = [min(ix.workspace[v], int(nodes[ix.ids[v]].get("run_workspace", ix.workspace[v]))) for v in range(n)]
+    ws = least_workspaces(graph, ix)
     foot = [ix.nbytes[v] + ws[v] + sum(ix.nbytes[p] for p in ix.preds[v]) for v in range(n)]
     # ancestors and descendants (by data and the random ops' required order) as bit
     # sets, and each value's readers
@@ -311,13 +326,17 @@ def _last_computed_probe(graph: ComputeGraph):
     from solver.indexed import IndexedGraph
 
     ix = IndexedGraph.of(graph)
-    nodes = graph.nx.nodes
-    # a continuing projection of a multi-output op is charged its run_workspace
-    ws = [min(ix.workspace[v], int(nodes[ix.ids[v]].get("run_workspace", ix.workspace[v]))) for v in range(ix.n)]
+    ws = least_workspaces(graph, ix)
+    nb = ix.nbytes
+    # (the same for every budget probed) each op's inputs of some bytes, as a list and a
+    # bit set, and its own step's bytes
+    preds = [[p for p in ix.preds[v] if nb[p] > 0] for v in range(ix.n)]
+    masks = [sum(1 << p for p in ps) for ps in preds]
+    steps = sorted(((nb[v] + ws[v] + sum(nb[p] for p in preds[v]), v) for v in range(ix.n)), reverse=True)
 
     def rules_out(budget: int, deadline) -> Hashable | None:
         try:
-            v = _no_way_back(ix, ws, budget - ix.fixed, deadline)
+            v = _no_way_back(nb, ws, preds, masks, steps, budget - ix.fixed, deadline)
         except OutOfTime:
             return None
         return None if v is None else ix.ids[v]
@@ -358,21 +377,15 @@ def bisect_peak_bound(rules_out, *, lower: int, upper: int, first: int | None, t
     return lo, witness
 
 
-def _no_way_back(ix, ws: list[int], cap: int, deadline) -> int | None:
+def _no_way_back(nb: list[int], ws: list[int], preds: list[list[int]], masks: list[int],
+                 steps: list[tuple[int, int]], cap: int, deadline) -> int | None:
     """An op whose inputs cannot be made resident within ``cap`` bytes (beyond the fixed
-    ones), None if every op's can (see
-    :func:`last_computed_peak_bound`). Raises :class:`~solver.deadline.OutOfTime`."""
-    nb, n = ix.nbytes, ix.n
-    preds = [[p for p in ix.preds[v] if nb[p] > 0] for v in range(n)]
-    mask = [sum(1 << p for p in ps) for ps in preds]
-    # each op's first set: its inputs, once its own step fits
-    starts: list[tuple[int, int, int]] = []  # (step bytes, op, set)
-    for v in range(n):
-        step = nb[v] + ws[v] + sum(nb[p] for p in preds[v])
-        if step > cap:
-            return v
-        starts.append((step, v, mask[v]))
-    starts.sort(key=lambda t: -t[0])
+    ones), None if every op's can (see :func:`last_computed_peak_bound`). ``preds`` and
+    ``masks``: each op's inputs of some bytes, as lists and bit sets; ``steps``: each
+    op's own step bytes with the op, largest first. Raises
+    :class:`~solver.deadline.OutOfTime`."""
+    if steps and steps[0][0] > cap:
+        return steps[0][1]
     good: set[int] = {0}   # sets with a way back within cap
     bad: set[int] = set()  # sets without one
     count = 0
@@ -391,11 +404,12 @@ def _no_way_back(ix, ws: list[int], cap: int, deadline) -> int | None:
             x = low.bit_length() - 1
             new = sum(nb[p] for p in preds[x] if not (s >> p) & 1)
             if held + new + ws[x] <= cap:
-                out.append((held - nb[x] + new, (s ^ low) | mask[x]))
+                out.append((held - nb[x] + new, (s ^ low) | masks[x]))
         out.sort()
         return out
 
-    for _, v, start in starts:
+    for _, v in steps:
+        start = masks[v]
         if start in good:
             continue
         if start in bad:
