@@ -96,10 +96,18 @@ def solve(
     >>> solve(g, 100, method="store_all").sequence
     [0, 1, 2, 3]
     """
-    budget = check_budget(graph, budget_bytes)
+    info = get_method(method)
     t0 = time.perf_counter()
     try:
-        info = get_method(method)
+        budget = check_budget(graph, budget_bytes)
+    except InfeasibleBudget as exc:
+        if info.family == "offload" or type(exc) is not InfeasibleBudget:
+            raise
+        # below the footprint bound: the bounds of recomputing schedules may name a
+        # higher one, closer to the smallest peak found
+        left = None if time_limit is None else float(time_limit) - (time.perf_counter() - t0)
+        raise _sharpened(graph, exc, left) from None
+    try:
         schedule = info.fn(graph, budget, time_limit=time_limit, **options)
         schedule.method = schedule.method or method
     except NoScheduleFound as exc:
@@ -175,29 +183,70 @@ def _not_reached(graph: ComputeGraph, budget: int, exc: NoScheduleFound, left: f
         return exc  # a schedule within the budget exists: the method's own failure
     held, before = 0, False
     if prove and budget >= lb:
-        # between the bounds: what ops that run once must hold (dropout masks) may prove
-        # the budget infeasible, then what making each op's inputs resident needs, then
-        # the order-free stage relaxation may raise it more
-        from solver.bounds import relaxed_peak_bound
-        from solver.feasibility import last_computed_peak_bound, run_once_peak_bound
-
-        def rest(most: float) -> float:
-            return most if left is None else min(most, left - (time.perf_counter() - t0))
-
-        if rest(ONCE_SECONDS) > FIGURES_MIN_SECONDS:
-            raised, op, extra = run_once_peak_bound(graph, time_limit=rest(ONCE_SECONDS))
-            if raised > lb:
-                lb, culprit, held = min(raised, found), op, extra
-        if budget >= lb and rest(LAST_SECONDS) > FIGURES_MIN_SECONDS:
-            raised, op = last_computed_peak_bound(graph, lower=lb, upper=found, first=budget,
-                                                  time_limit=rest(LAST_SECONDS))
-            if raised > lb:
-                lb, culprit, held, before = raised, op, 0, True
-        if budget >= lb and rest(PROOF_SECONDS) > FIGURES_MIN_SECONDS:
-            raised = relaxed_peak_bound(graph, lower=lb, upper=found, first=budget, time_limit=rest(PROOF_SECONDS))
-            if raised > lb:
-                lb, culprit, held, before = raised, None, 0, False  # (no single op forces it)
+        # between the bounds: the bounds of recomputing schedules may prove it infeasible
+        lb, culprit, held, before = _raised_bound(graph, lb, culprit, found, budget=budget,
+                                                  left=None if left is None else left - (time.perf_counter() - t0))
     name = (graph[culprit].get("name") or graph[culprit].get("op")) if culprit is not None else None
     cls = InfeasibleBudget if budget < lb else BudgetNotReached
     return cls(budget, found, lower_bound_bytes=lb, culprit=culprit,
                culprit_name=f"{culprit!r} ({name})" if name else None, held_bytes=held, held_before=before)
+
+
+def _raised_bound(graph: ComputeGraph, lb: int, culprit, found: int, *, budget: int | None,
+                  left: float | None) -> tuple[int, object, int, bool]:
+    """The proven lower bound on the peak raised from ``lb`` (towards ``found``, a peak
+    reached): what ops that run once must hold (dropout masks;
+    :func:`solver.feasibility.run_once_peak_bound`), then what making each op's inputs
+    resident needs (:func:`solver.feasibility.last_computed_peak_bound`), then the
+    order-free stage relaxation (:func:`solver.bounds.relaxed_peak_bound`), each in its
+    seconds of the ``left`` (None: no limit). With a ``budget``, the bounds probe it
+    first and stop once one proves it infeasible; without, each bisects the whole range.
+    Bounds of recomputing schedules, not of those that offload.
+
+    Returns
+    -------
+    (lower bound, culprit op or None, bytes held beside it, whether it holds before the
+    culprit's step): as :class:`~solver.InfeasibleBudget` takes them.
+    """
+    from solver.bounds import relaxed_peak_bound
+    from solver.feasibility import last_computed_peak_bound, run_once_peak_bound
+
+    t0 = time.perf_counter()
+    held, before = 0, False
+
+    def rest(most: float) -> float:
+        return most if left is None else min(most, left - (time.perf_counter() - t0))
+
+    def open_() -> bool:
+        return (budget is None or budget >= lb) and lb < found
+
+    if rest(ONCE_SECONDS) > FIGURES_MIN_SECONDS:
+        raised, op, extra = run_once_peak_bound(graph, time_limit=rest(ONCE_SECONDS))
+        if raised > lb:
+            lb, culprit, held = min(raised, found), op, extra
+    if open_() and rest(LAST_SECONDS) > FIGURES_MIN_SECONDS:
+        raised, op = last_computed_peak_bound(graph, lower=lb, upper=found, first=budget,
+                                              time_limit=rest(LAST_SECONDS))
+        if raised > lb:
+            lb, culprit, held, before = raised, op, 0, True
+    if open_() and rest(PROOF_SECONDS) > FIGURES_MIN_SECONDS:
+        raised = relaxed_peak_bound(graph, lower=lb, upper=found, first=budget, time_limit=rest(PROOF_SECONDS))
+        if raised > lb:
+            lb, culprit, held, before = raised, None, 0, False  # (no single op forces it)
+    return lb, culprit, held, before
+
+
+def _sharpened(graph: ComputeGraph, exc: InfeasibleBudget, left: float | None) -> InfeasibleBudget:
+    """``exc`` (a budget below the footprint bound) with its lower bound raised as far as
+    the bounds of recomputing schedules take it in the time ``left``, so that the range
+    it names for the smallest feasible peak is as narrow as is known."""
+    lb, found = exc.lower_bound_bytes, exc.smallest_feasible_bytes
+    if exc.proven or (left is not None and left < FIGURES_MIN_SECONDS):
+        return exc
+    raised, culprit, held, before = _raised_bound(graph, lb, exc.culprit, found, budget=None, left=left)
+    if raised <= lb:
+        return exc
+    name = (graph[culprit].get("name") or graph[culprit].get("op")) if culprit is not None else None
+    return InfeasibleBudget(exc.budget_bytes, found, lower_bound_bytes=raised, culprit=culprit,
+                            culprit_name=f"{culprit!r} ({name})" if name else None, held_bytes=held,
+                            held_before=before)

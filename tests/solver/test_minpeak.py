@@ -276,6 +276,36 @@ def test_a_captured_resnet_budget_below_what_its_joins_need_is_proven_infeasible
         assert "computed last" in str(exc)
 
 
+def test_a_budget_below_the_footprint_bound_names_the_raised_bound():
+    """A budget below what one op alone needs is refused before any method runs; the
+    error names the higher bound that the search back from the inputs proves (closer to
+    the smallest peak found: what ops that run once hold or what making an op's inputs
+    resident needs), never above the brute-force smallest peak. A method that
+    offloads gets the footprint bound only: the raised one holds for recomputation."""
+    from solver.feasibility import last_computed_peak_bound
+    from solver.synthetic import small_graph
+
+    checked = 0
+    for seed in range(60):
+        g = small_graph(1, 8, seed)
+        lb = solver.peak_lower_bound(g)[0]
+        best, _ = brute_force_min_peak(g)
+        if last_computed_peak_bound(g, lower=lb, upper=2 * best, time_limit=10)[0] <= lb:
+            continue
+        with pytest.raises(solver.InfeasibleBudget) as info:
+            solver.solve(g, lb - 1, method="eviction")
+        exc = info.value
+        assert lb < exc.lower_bound_bytes <= best <= exc.smallest_feasible_bytes
+        # (the reason named is the raised bound's, not the footprint's)
+        assert exc.held_before or exc.held_bytes > 0 or exc.culprit is None
+        assert "alone needs its inputs + output resident" not in str(exc)
+        with pytest.raises(solver.InfeasibleBudget) as info:
+            solver.solve(g, lb - 1, method="offload")
+        assert info.value.lower_bound_bytes == lb
+        checked += 1
+    assert checked >= 3
+
+
 def test_a_failure_on_a_long_chain_names_the_peak_chens_segments_reach():
     # on 2,000 layers the low-memory search's eviction probes do not finish in their
     # 0.8 s, so without the chain family's figure the error named the store-all peak,
