@@ -31,8 +31,7 @@ from solver.checks import Session, fit_measured, measured_peak, self_check
 from solver.errors import SolverError
 from solver.fixed import SEED_RESERVE, untracked_bytes
 from solver.module_plan import hold_node_inputs, plan_modules
-from solver.grading import check_budget
-from solver.solving import solve
+from solver.solving import checked_budget, solve
 from solver.report import Report
 from solver.schedule import Schedule
 from solver.simulate import simulate
@@ -452,7 +451,7 @@ def plan_graph(*, cap: Captured, request: Request, session: Session, method: str
     replay_random_ops(cg)  # the rewrite replays the generator state of a random op it runs again
     store_all = simulate(cg, cg.order).peak_bytes  # with the generator states it keeps
     target = cap.budget - margin
-    check_budget(cg, target)  # raises InfeasibleBudget naming the smallest feasible peak
+    checked_budget(cg, target)  # raises InfeasibleBudget naming the smallest feasible peak and the bound
     if target >= store_all and method == "auto":
         schedule = solve(cg, target, method="store_all")
     else:

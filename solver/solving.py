@@ -15,7 +15,7 @@ from solver.grading import check_budget, grade
 from solver.registry import MethodInfo, registered
 from solver.schedule import Schedule
 
-__all__ = ["methods", "get_method", "solve", "check_budget", "grade"]
+__all__ = ["methods", "get_method", "solve", "check_budget", "checked_budget", "grade"]
 
 
 def _load_all() -> None:
@@ -98,15 +98,7 @@ def solve(
     """
     info = get_method(method)
     t0 = time.perf_counter()
-    try:
-        budget = check_budget(graph, budget_bytes)
-    except InfeasibleBudget as exc:
-        if info.family == "offload" or type(exc) is not InfeasibleBudget:
-            raise
-        # below the footprint bound: the bounds of recomputing schedules may name a
-        # higher one, closer to the smallest peak found
-        left = None if time_limit is None else float(time_limit) - (time.perf_counter() - t0)
-        raise _sharpened(graph, exc, left) from None
+    budget = checked_budget(graph, budget_bytes, offloads=info.family == "offload", time_limit=time_limit)
     try:
         schedule = info.fn(graph, budget, time_limit=time_limit, **options)
         schedule.method = schedule.method or method
@@ -116,6 +108,42 @@ def solve(
         raise _not_reached(graph, budget, exc, left, prove=info.family != "offload") from None
     elapsed = time.perf_counter() - t0
     return grade(graph, schedule, budget, solve_seconds=elapsed)
+
+
+def checked_budget(graph: ComputeGraph, budget_bytes: float, *, offloads: bool = False,
+                   time_limit: float | None = None) -> int:
+    """:func:`check_budget`, whose refusal of a budget below what one op alone needs
+    names the higher bound that the peak bounds of recomputing schedules prove (unless
+    the schedule may ``offload``), found in at most ``time_limit`` seconds.
+
+    Returns
+    -------
+    int
+        The budget in bytes.
+
+    Raises
+    ------
+    ValueError
+        A zero, negative or NaN budget.
+    InfeasibleBudget
+        No schedule fits.
+
+    Examples
+    --------
+    >>> g = ComputeGraph()
+    >>> for i in range(3): g.add_node(i, bytes=10, time=1.0)
+    >>> g.add_edge(0, 1); g.add_edge(1, 2)
+    >>> checked_budget(g, 20)
+    20
+    """
+    t0 = time.perf_counter()
+    try:
+        return check_budget(graph, budget_bytes)
+    except InfeasibleBudget as exc:
+        if offloads or type(exc) is not InfeasibleBudget:
+            raise
+        left = None if time_limit is None else float(time_limit) - (time.perf_counter() - t0)
+        raise _sharpened(graph, exc, left) from None
 
 
 #: Seconds the figures of a failure may take at most (the search stops early with the best).

@@ -167,6 +167,22 @@ def test_infeasible_budget_names_the_smallest_and_leaves_model_untouched():
     assert fast.report.predicted_peak_bytes <= info.value.smallest_feasible_bytes
 
 
+def test_an_infeasible_budget_names_the_raised_peak_bound(monkeypatch):
+    """On a ResNet the footprint of one op is not the bound: the peak bounds of
+    recomputing schedules (what making an op's inputs resident needs) raise it, and the
+    error of ``optimize`` names that raised bound, below the smallest peak it names."""
+    from solver import solving
+
+    model, inputs = ZOO["resnet"]()
+    with pytest.raises(InfeasibleBudget) as raised:
+        solver.optimize(model, 1e-6, inputs, measure_time=False)
+    monkeypatch.setattr(solving, "_sharpened", lambda graph, exc, left: exc)
+    with pytest.raises(InfeasibleBudget) as footprint:
+        solver.optimize(model, 1e-6, inputs, measure_time=False)
+    assert footprint.value.lower_bound_bytes < raised.value.lower_bound_bytes
+    assert raised.value.lower_bound_bytes <= raised.value.smallest_feasible_bytes
+
+
 def test_uncapturable_model_suggests_module_mode():
     model, inputs = models.data_dependent()
     with pytest.raises(CaptureError, match="mode='module'"):
