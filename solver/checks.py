@@ -149,7 +149,8 @@ def fit_measured(model: nn.Module, *, make: Callable[[int], Any], run: Callable[
             if smallest is not None:
                 return smallest
             raise InfeasibleBudget(budget, exc.smallest_feasible_bytes + margin,
-                                   lower_bound_bytes=exc.lower_bound_bytes + margin, what="measured peak") from exc
+                                   lower_bound_bytes=exc.lower_bound_bytes + margin, what="measured peak",
+                                   **_why(exc)) from exc
     raise SolverError(f"a step of the plan measured {format_bytes(peak)} over the budget {format_bytes(budget)} "
                       f"after {tries} plans with a margin for what the step allocates beyond the captured graph; "
                       "ask for a larger budget")
@@ -200,7 +201,13 @@ def _measured_smallest(model: nn.Module, exc: InfeasibleBudget, *, budget: int, 
     named = max(found[1] if found is not None else 0, session.planning_peak or 0)
     if named <= exc.smallest_feasible_bytes:
         return exc
-    return InfeasibleBudget(budget, named, lower_bound_bytes=exc.lower_bound_bytes, what="measured peak")
+    return InfeasibleBudget(budget, named, lower_bound_bytes=exc.lower_bound_bytes, what="measured peak", **_why(exc))
+
+
+def _why(exc: InfeasibleBudget) -> dict:
+    """What ``exc`` says forces its lower bound, for an error that names other figures."""
+    return dict(culprit=exc.culprit, culprit_name=exc.culprit_name, held_bytes=exc.held_bytes,
+                held_before=exc.held_before)
 
 
 @dataclass(frozen=True)

@@ -46,6 +46,8 @@ class InfeasibleBudget(RematError, ValueError):
     culprit : hashable or None
         The op whose inputs, output and workspace alone force the lower bound (with
         ``held_bytes`` more beside them).
+    culprit_name : str or None
+        How messages name the culprit (its id and source line).
     held_bytes : int
         Bytes that, beside the culprit's own, hold the results of ops that run only
         once (random ops such as dropout masks) for later readers while it runs.
@@ -72,6 +74,7 @@ class InfeasibleBudget(RematError, ValueError):
         self.lower_bound_bytes = int(lower_bound_bytes if lower_bound_bytes is not None else smallest_feasible_bytes)
         self.proven = self.lower_bound_bytes >= self.smallest_feasible_bytes
         self.culprit = culprit
+        self.culprit_name = culprit_name
         self.held_bytes = int(held_bytes)
         self.held_before = bool(held_before)
         if self.proven or self.budget_bytes < self.lower_bound_bytes:

@@ -170,7 +170,8 @@ def test_infeasible_budget_names_the_smallest_and_leaves_model_untouched():
 def test_an_infeasible_budget_names_the_raised_peak_bound(monkeypatch):
     """On a ResNet the footprint of one op is not the bound: the peak bounds of
     recomputing schedules (what making an op's inputs resident needs) raise it, and the
-    error of ``optimize`` names that raised bound, below the smallest peak it names."""
+    error of ``optimize`` names that raised bound, below the smallest peak it names,
+    with its reason."""
     from solver import solving
 
     model, inputs = ZOO["resnet"]()
@@ -181,6 +182,8 @@ def test_an_infeasible_budget_names_the_raised_peak_bound(monkeypatch):
         solver.optimize(model, 1e-6, inputs, measure_time=False)
     assert footprint.value.lower_bound_bytes < raised.value.lower_bound_bytes
     assert raised.value.lower_bound_bytes <= raised.value.smallest_feasible_bytes
+    # the error names the measured smallest peak and keeps the reason for the bound
+    assert raised.value.held_before and raised.value.culprit_name in str(raised.value)
 
 
 def test_uncapturable_model_suggests_module_mode():
