@@ -15,7 +15,7 @@ from solver.feasibility import peak_lower_bound
 from solver.schedule import Schedule
 from solver.simulate import simulate
 
-__all__ = ["check_budget", "grade", "infeasible"]
+__all__ = ["check_budget", "grade", "infeasible", "culprit_label"]
 
 
 def check_budget(graph: ComputeGraph, budget_bytes: float) -> int:
@@ -39,11 +39,25 @@ def infeasible(graph: ComputeGraph, budget: int) -> InfeasibleBudget:
     from solver.methods.minpeak import smallest_feasible_peak
 
     found, lb, culprit = smallest_feasible_peak(graph)
-    name = graph[culprit].get("name") or graph[culprit].get("op") if culprit is not None else None
     cls = InfeasibleBudget if budget < lb else BudgetNotReached
-    return cls(
-        budget, found, lower_bound_bytes=lb, culprit=culprit, culprit_name=f"{culprit!r} ({name})" if name else None
-    )
+    return cls(budget, found, lower_bound_bytes=lb, culprit=culprit, culprit_name=culprit_label(graph, culprit))
+
+
+def culprit_label(graph: ComputeGraph, culprit) -> str | None:
+    """How an :class:`InfeasibleBudget` names the op that forces its bound: its id and
+    its module and source line (or op), or None without one.
+
+    Examples
+    --------
+    >>> g = ComputeGraph()
+    >>> g.add_node("mm", bytes=4, time=1.0, op="aten.mm")
+    >>> culprit_label(g, "mm"), culprit_label(g, None)
+    ("'mm' (aten.mm)", None)
+    """
+    if culprit is None:
+        return None
+    name = graph[culprit].get("name") or graph[culprit].get("op")
+    return f"{culprit!r} ({name})" if name else None
 
 
 def grade(graph: ComputeGraph, schedule: Schedule, budget: int | None, *, solve_seconds: float | None = None) -> Schedule:

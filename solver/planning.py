@@ -451,7 +451,8 @@ def plan_graph(*, cap: Captured, request: Request, session: Session, method: str
     replay_random_ops(cg)  # the rewrite replays the generator state of a random op it runs again
     store_all = simulate(cg, cg.order).peak_bytes  # with the generator states it keeps
     target = cap.budget - margin
-    checked_budget(cg, target)  # raises InfeasibleBudget naming the smallest feasible peak and the bound
+    # raises InfeasibleBudget naming the smallest feasible peak and the bound
+    checked_budget(cg, target, method=method, time_limit=request.time_limit)
     if target >= store_all and method == "auto":
         schedule = solve(cg, target, method="store_all")
     else:

@@ -11,7 +11,7 @@ import time
 
 from graphs import ComputeGraph
 from solver.errors import BudgetNotReached, InfeasibleBudget, NoScheduleFound
-from solver.grading import check_budget, grade
+from solver.grading import check_budget, culprit_label, grade
 from solver.registry import MethodInfo, registered
 from solver.schedule import Schedule
 
@@ -98,7 +98,7 @@ def solve(
     """
     info = get_method(method)
     t0 = time.perf_counter()
-    budget = checked_budget(graph, budget_bytes, offloads=info.family == "offload", time_limit=time_limit)
+    budget = checked_budget(graph, budget_bytes, method=method, time_limit=time_limit)
     try:
         schedule = info.fn(graph, budget, time_limit=time_limit, **options)
         schedule.method = schedule.method or method
@@ -110,11 +110,12 @@ def solve(
     return grade(graph, schedule, budget, solve_seconds=elapsed)
 
 
-def checked_budget(graph: ComputeGraph, budget_bytes: float, *, offloads: bool = False,
+def checked_budget(graph: ComputeGraph, budget_bytes: float, *, method: str = "auto",
                    time_limit: float | None = None) -> int:
     """:func:`check_budget`, whose refusal of a budget below what one op alone needs
     names the higher bound that the peak bounds of recomputing schedules prove (unless
-    the schedule may ``offload``), found in at most ``time_limit`` seconds.
+    ``method`` offloads, where they do not hold), found in at most ``time_limit``
+    seconds.
 
     Returns
     -------
@@ -140,7 +141,7 @@ def checked_budget(graph: ComputeGraph, budget_bytes: float, *, offloads: bool =
     try:
         return check_budget(graph, budget_bytes)
     except InfeasibleBudget as exc:
-        if offloads or type(exc) is not InfeasibleBudget:
+        if get_method(method).family == "offload" or type(exc) is not InfeasibleBudget:
             raise
         left = None if time_limit is None else float(time_limit) - (time.perf_counter() - t0)
         raise _sharpened(graph, exc, left) from None
@@ -214,10 +215,9 @@ def _not_reached(graph: ComputeGraph, budget: int, exc: NoScheduleFound, left: f
         # between the bounds: the bounds of recomputing schedules may prove it infeasible
         lb, culprit, held, before = _raised_bound(graph, lb, culprit, found, budget=budget,
                                                   left=None if left is None else left - (time.perf_counter() - t0))
-    name = (graph[culprit].get("name") or graph[culprit].get("op")) if culprit is not None else None
     cls = InfeasibleBudget if budget < lb else BudgetNotReached
-    return cls(budget, found, lower_bound_bytes=lb, culprit=culprit,
-               culprit_name=f"{culprit!r} ({name})" if name else None, held_bytes=held, held_before=before)
+    return cls(budget, found, lower_bound_bytes=lb, culprit=culprit, culprit_name=culprit_label(graph, culprit),
+               held_bytes=held, held_before=before)
 
 
 def _raised_bound(graph: ComputeGraph, lb: int, culprit, found: int, *, budget: int | None,
@@ -274,7 +274,5 @@ def _sharpened(graph: ComputeGraph, exc: InfeasibleBudget, left: float | None) -
     raised, culprit, held, before = _raised_bound(graph, lb, exc.culprit, found, budget=None, left=left)
     if raised <= lb:
         return exc
-    name = (graph[culprit].get("name") or graph[culprit].get("op")) if culprit is not None else None
     return InfeasibleBudget(exc.budget_bytes, found, lower_bound_bytes=raised, culprit=culprit,
-                            culprit_name=f"{culprit!r} ({name})" if name else None, held_bytes=held,
-                            held_before=before)
+                            culprit_name=culprit_label(graph, culprit), held_bytes=held, held_before=before)
