@@ -355,6 +355,17 @@ def test_a_long_chain_that_eviction_does_not_fit_in_time_gets_the_chain_family()
     assert "chen_sqrt" in s.info["auto"]["tried"]
 
 
+def test_a_limit_that_eviction_spends_still_ends_with_the_chain_familys_schedule():
+    # with half a second, eviction's slice and the setup leave Chen's segments less than
+    # they need on a loaded machine: where nothing fits yet, they get their floor anyway
+    g = training_chain(2000)
+    budget = int(0.1 * solver.simulate(g, g.order).peak_bytes)
+    s = solver.solve(g, budget, time_limit=0.5)
+    r = solver.simulate(g, s)
+    assert r.valid and r.peak_bytes <= budget
+    assert s.method in ("auto:chen_sqrt", "auto:chain_dp")
+
+
 def test_a_large_graph_with_a_fixed_order_bound_leaves_the_time_of_the_free_order_one_to_the_search(monkeypatch):
     # with a time limit, past BOUND_LIMITED_MAX_OPS ops, a winner that keeps the reference
     # order with stage_milp's bound known: the bound valid in any order is not computed
