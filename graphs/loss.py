@@ -111,11 +111,17 @@ def loss_charge(loss_fn: Callable[[Any], torch.Tensor], outputs: Any) -> LossCha
     return LossCharge(held_bytes=held, peak_bytes=int(peak), grad_bytes=int(grads))
 
 
-def charge_loss(cg: ComputeGraph, loss_fn: Callable[[Any], torch.Tensor]) -> LossCharge | None:
+def charge_loss(cg: ComputeGraph, loss_fn: Callable[[Any], torch.Tensor], *,
+                outputs_of: ComputeGraph | None = None) -> LossCharge | None:
     """Charge the user's loss on a graph captured with ``backward="outputs"``: its peak
     beyond the output gradients becomes the workspace of the node where the backward
     starts. None (nothing charged) when the graph has no such node, or on fake and meta
     inputs, where nothing can run; ``cg.meta["loss"]`` says which.
+
+    ``outputs_of``: the capture whose outputs the loss is measured on, where ``cg`` is a
+    DAG written from another capture with outputs of the same shapes (the whole model's
+    DAG of a capture cut to fewer alike layers, :class:`graphs.repeated.CutCapture`);
+    default ``cg`` itself.
 
     Examples
     --------
@@ -130,11 +136,12 @@ def charge_loss(cg: ComputeGraph, loss_fn: Callable[[Any], torch.Tensor]) -> Los
     if BACKWARD_START not in cg.nx:
         cg.meta["loss"] = "none"
         return None
-    if not cg.capture_info.real:
+    source = cg if outputs_of is None else outputs_of
+    if not source.capture_info.real:
         cg.meta["loss"] = "not measured (fake or meta inputs)"
         return None
     with torch.random.fork_rng():
-        charge = loss_charge(loss_fn, outputs_like(cg))
+        charge = loss_charge(loss_fn, outputs_like(source))
     cg[BACKWARD_START]["workspace"] = charge.workspace
     cg.meta["loss"] = "measured"
     return charge

@@ -173,7 +173,7 @@ def capture_step(model: nn.Module, args: tuple, kwargs: dict, *, request: Reques
         raise
     charge(cg, optimizer=request.optimizer_bytes, seed=SEED_RESERVE)
     if request.loss_fn is not None:
-        charge_loss(cg, request.loss_fn)
+        charge_loss(cg, request.loss_fn, outputs_of=cut.cut if cut is not None else None)
     if request.dp is not None:
         request.dp.charge(cg)
     if request.mode == "module":
