@@ -49,7 +49,7 @@ from graphs.torch_internals import (FakeTensorMode, aot_export_joint, drop_pytho
                                      is_op_overload, lazy_graph_modules, op_schema, override_python_kernels,
                                      tree_flatten, tree_leaves, tree_unflatten)
 
-__all__ = ["capture", "CaptureInfo", "default_loss", "is_random_op"]
+__all__ = ["capture", "CaptureInfo", "default_loss", "is_random_op", "op_draws"]
 
 log = logging.getLogger(__name__)
 
@@ -354,6 +354,29 @@ def is_random_op(node: torch.fx.Node) -> bool:
         return True
     name = node.target.overloadpacket.__name__
     return any(r in name for r in _RANDOM_OPS)
+
+
+def op_draws(op: Any, args: tuple = (), kwargs: dict | None = None) -> bool:
+    """Does this call of ``op`` draw from a random generator: a random op
+    (:func:`is_random_op`'s rule), or an op called with a ``dropout_p`` above zero (the
+    fused attention kernels of CUDA, which draw their dropout inside)?
+
+    Examples
+    --------
+    >>> op_draws(torch.ops.aten.native_dropout.default), op_draws(torch.ops.aten.mm.default)
+    (True, False)
+    >>> sdpa = torch.ops.aten._scaled_dot_product_efficient_attention.default
+    >>> q = torch.empty(0)
+    >>> op_draws(sdpa, (q, q, q, None, False, 0.1)), op_draws(sdpa, (q, q, q, None, False), {"dropout_p": 0.0})
+    (True, False)
+    """
+    if not is_op_overload(op):
+        return False
+    names = [a.name for a in op_schema(op).arguments]
+    if "dropout_p" in names:  # tagged as seeded, but drawing only with a dropout
+        i = names.index("dropout_p")
+        return bool((kwargs or {}).get("dropout_p", args[i] if i < len(args) else 0.0))
+    return torch.Tag.nondeterministic_seeded in op.tags or any(r in op.overloadpacket.__name__ for r in _RANDOM_OPS)
 
 
 def capture(

@@ -157,12 +157,87 @@ def _context_fn(module: nn.Module, action: str):
         if action in (LayerAction.SELECTIVE, LayerAction.SAVE_MATMULS):
             from torch.utils.checkpoint import create_selective_checkpoint_contexts
 
+            draws = _DrawReplay()
             fwd_ctx, rec_ctx = create_selective_checkpoint_contexts(selective_policy(action=action))
+            fwd_ctx, rec_ctx = (_Stacked(fwd_ctx, draws.mode(recompute=False)),
+                                _Stacked(rec_ctx, draws.mode(recompute=True)))
         else:
             fwd_ctx, rec_ctx = contextlib.nullcontext(), contextlib.nullcontext()
         return fwd_ctx, _RecomputeContext(module, rec_ctx)
 
     return make
+
+
+def _generator_state(device: torch.device, state: torch.Tensor | None = None) -> torch.Tensor | None:
+    """The state of ``device``'s default generator; with ``state``, set it instead."""
+    module = torch if device.type == "cpu" else torch.get_device_module(device.type)
+    if state is None:
+        return module.get_rng_state() if device.type == "cpu" else module.get_rng_state(device)
+    if device.type == "cpu":
+        module.set_rng_state(state)
+    else:
+        module.set_rng_state(state, device)
+    return None
+
+
+class _DrawReplay:
+    """Makes the random ops that a selective checkpoint recomputes draw what they drew in
+    the forward.
+
+    Checkpointing restores the generator state of the block's start before recomputing,
+    which replays the draws only when every random op of the block runs again. A policy
+    that saves some random ops' outputs (a fused attention with dropout under
+    ``save_matmuls``, on CUDA) and recomputes later ones (the dropout after it) would
+    have the later ones draw from the state before the saved ones drew: other masks.
+    So a dispatch mode above the forward's notes the generator state before each random
+    op, and one above the recomputation's sets it again before each random op there (a
+    saved op does not draw; one that runs again draws what it drew). One per
+    checkpointed call of a block."""
+
+    def __init__(self) -> None:
+        self.states: list = []
+
+    def mode(self, *, recompute: bool):
+        from graphs.capture import op_draws
+        from graphs.torch_internals import TorchDispatchMode
+
+        states, replay = self.states, iter(self.states)
+
+        class _Draws(TorchDispatchMode):
+            def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+                kwargs = kwargs or {}
+                if op_draws(func, args, kwargs):
+                    if recompute:
+                        device, state = next(replay, (None, None))
+                        if state is not None:
+                            _generator_state(device, state)
+                    else:
+                        device = kwargs.get("device") or next(
+                            (a.device for a in args if isinstance(a, torch.Tensor)), "cpu")
+                        device = torch.device(device)
+                        states.append((device, _generator_state(device)))
+                return func(*args, **kwargs)
+
+        return _Draws()
+
+
+class _Stacked:
+    """Enter ``inner``, then ``mode`` above it; leave in the reverse order."""
+
+    def __init__(self, inner, mode) -> None:
+        self.inner, self.mode = inner, mode
+
+    def __enter__(self):
+        out = self.inner.__enter__()
+        self.mode.__enter__()
+        return out
+
+    def __exit__(self, *exc):
+        try:
+            self.mode.__exit__(*exc)
+        finally:
+            out = self.inner.__exit__(*exc)
+        return out
 
 
 class _RecomputeContext:

@@ -42,6 +42,35 @@ def test_same_loss_grads_and_running_stats_over_three_steps(action):
         opt_a.step(), opt_b.step(), opt_a.zero_grad(), opt_b.zero_grad()
 
 
+class _SavedDrawThenRecomputedDraw(nn.Module):
+    """A draw whose output a selective policy saves (a functional ``bernoulli``), then
+    one it recomputes (``native_dropout``, the attention core's): on CUDA, a fused
+    attention with dropout under ``save_matmuls`` followed by a dropout is the same."""
+
+    def __init__(self):
+        super().__init__()
+        self.lin = nn.Linear(16, 16)
+
+    def forward(self, x):
+        h = self.lin(x)
+        keep = torch.bernoulli(torch.full_like(h, 0.7))
+        out, _ = torch.native_dropout(torch.tanh(h * keep), 0.5, True)
+        return out
+
+
+def test_selective_recomputation_draws_what_the_forward_drew_after_a_saved_draw():
+    torch.manual_seed(0)
+    ref = nn.Sequential(_SavedDrawThenRecomputedDraw(), _SavedDrawThenRecomputedDraw(), nn.Linear(16, 1))
+    net = copy.deepcopy(ref)
+    wrapped = apply_module_plan(net, {"0": "selective", "1": "selective"})
+    x = torch.randn(8, 16)
+    for step in range(2):
+        assert torch.equal(_step(wrapped, x, step), _step(ref, x, step))
+        for (name, a), b in zip(net.named_parameters(), ref.parameters()):
+            assert torch.equal(a.grad, b.grad), name
+            a.grad, b.grad = None, None
+
+
 def test_checkpointed_block_really_recomputes():
     net = _net()
     calls = []
