@@ -79,7 +79,6 @@ class Captured:
     measure_seconds: float = 0.0  # measuring op times and workspaces (measure_within)
     measured_with: tuple | None = None  # the schedule the measuring run ran
     cut: Any = None  # graphs.repeated.CutCapture: ``graph`` was written from a capture of four layers
-    measured_excess: int = 0  # what the measuring run's peak was above its prediction, by its measured figures
 
 
 def plan_step(model: nn.Module, args: tuple, kwargs: dict, *, request: Request, session: Session,
@@ -140,11 +139,7 @@ def _plan_step(model: nn.Module, args: tuple, kwargs: dict, *, request: Request,
         step = make(0)
         request.dp.annotate(session.report)
     else:
-        # below the budget from the start: module mode's own error, and what the
-        # measuring run peaked above its prediction (on a GPU, the first measured steps
-        # of graph-mode plans for HF GPT-2 and Llama were 4-6 MiB over theirs, at
-        # budgets of 0.4-1 GiB)
-        reserve = max(int(MODULE_RESERVE * cap.budget) if request.mode == "module" else 0, cap.measured_excess)
+        reserve = int(MODULE_RESERVE * cap.budget) if request.mode == "module" else 0
         step = fit_measured(model, make=make, run=lambda s: lambda: s(model, args, kwargs), args=args,
                             kwargs=kwargs, budget=cap.budget, session=session, loss_fn=request.loss_fn,
                             held_back=held_back, reserve=reserve)
@@ -232,15 +227,11 @@ def measure_within(cap: Captured, *, request: Request, held_back: int = 0) -> Ca
     else:  # schedules of a view whose random ops may run again, as the rewrite replays them
         sequence = lowest_peak_sequence(replayed_view(run_on), target=int(target - more))
     peaks = [measure_in_schedule(run_on, sequence, times=times).peak_bytes]
-    # the run against the simulator's peak of the same schedule, by the figures it
-    # measured: what the device's allocator adds (the caching allocator's rounding of
-    # blocks) and the plan is to keep below the budget from the start
-    excess = max(0, peaks[0] - simulate(run_on, sequence).peak_bytes) if peaks[0] is not None else 0
     if cap.cut is not None:
         cap.cut.copy_costs()
     judged = [p + untracked_bytes(cg) + beside for p in peaks if p is not None]
     return replace(cap, store_all=simulate(cg, cg.order).peak_bytes, measure_seconds=time.perf_counter() - t0,
-                   planning_peak=max(judged) if judged else None, measured_excess=excess,
+                   planning_peak=max(judged) if judged else None,
                    measured_with=tuple(sequence) if cap.cut is None else None, solve_start=time.perf_counter())
 
 
