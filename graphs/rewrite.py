@@ -358,6 +358,10 @@ def schedule_graphs(
             return _emit(bg, u, benv, scheduled, resolve_backward)
         if u.name in fenv:
             return from_forward(u)
+        if _is_view(u) and _derivable(u, fenv.keys() | benv.keys()):
+            # the forward dropped its copy when its base ran again there: the view is
+            # derived here from the base's latest copy (the same storage's bytes)
+            return _emit(bg, u, benv, scheduled, resolve_backward)
         raise RewriteError(f"backward reads {u.name!r} before the schedule computes it")
 
     for i, s in enumerate(bwd_steps, start=len(fwd_steps)):
