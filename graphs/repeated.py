@@ -194,6 +194,8 @@ class CutCapture:
         cut, whole = self.cut.nx.nodes, self.whole.nx.nodes
         written = 0
         for w in self.whole.ops:
+            if w == BACKWARD_START:  # it carries the step's loss (graphs.loss), which the cut's does not
+                continue
             v = w if w in cut else str(w).rpartition("@")[0]
             if v not in cut:  # pragma: no cover - repeat_layers names every copy so
                 raise KeyError(f"{w!r} has no template node in the cut capture")
