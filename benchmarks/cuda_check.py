@@ -69,8 +69,7 @@ def _zoo(tiny: bool) -> dict:
     def gpt_outside():
         model, (idx, targets) = models.gpt(n_layer=8 // k or 2, d=512 // k, seq=512 // k, batch=8 // k or 2,
                                            vocab=8192 // k)
-        head = model.head
-
+    
         class Logits(nn.Module):  # the same model, returning logits: the loss is the caller's
             def __init__(self):
                 super().__init__()
@@ -82,7 +81,7 @@ def _zoo(tiny: bool) -> dict:
                 x = m.drop(m.wte(idx) + m.wpe(pos))
                 for block in m.blocks:
                     x = block(x)
-                return head(m.ln(x))
+                return m.head(m.ln(x))
 
         return Logits(), (idx,), lambda out: F.cross_entropy(out.flatten(0, 1), targets.to(out.device).flatten())
 
@@ -144,8 +143,12 @@ def _call(model, inputs):
 
 
 def _step(model, inputs, loss_of):
-    loss = loss_of(_call(model, inputs))
+    # the output held until the backward is done, as a loop that keeps ``out`` holds it
+    # (and as plans assume): dropped before the backward, a step peaks lower
+    out = _call(model, inputs)
+    loss = loss_of(out)
     loss.backward()
+    del out
     return loss
 
 
