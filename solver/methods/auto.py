@@ -156,11 +156,6 @@ LNS_SECONDS = 1.0
 #: training graph that eviction does not fit.
 CHAIN_RESCUE_SHARE = 0.5
 CHAIN_RESCUE_SECONDS = 2.0
-#: Seconds at least for Chen's segments when nothing fits yet, whatever is left: they are
-#: the schedule of last resort there (hundredths of a second on a chain of 2,000 layers,
-#: tenths on a loaded machine), so a time limit spent on eviction's setup does not end
-#: with no schedule.
-CHAIN_RESCUE_MIN_SECONDS = 0.5
 #: Training graphs with at most this many ops get ``stage_milp`` when a time limit is
 #: given (its programs grow with the steps over the budget).
 STAGE_MILP_MAX_OPS = 1000
@@ -403,9 +398,12 @@ def solve_auto(graph: ComputeGraph, budget: int, *, time_limit: float | None = N
         #     op-level heuristics fail, they fit: 5,000 layers, +32.9 % and +31.0 %)
         cut = best[0] is not None and best[0].info.get("complete") is False
         if training and (best[0] is None or cut) and n > STAGE_MILP_MAX_OPS and (has_time() or best[0] is None):
-            floor = CHAIN_RESCUE_MIN_SECONDS if best[0] is None else 0.1
+            # where nothing fits yet, Chen's segments are the schedule of last resort: one
+            # plan built and graded (hundredths of a second on a chain of 2,000 layers),
+            # not cut short by what the heuristics before them left
             run("chen_sqrt", "eviction did not finish: Chen's sqrt(L) segments over the chain of stages",
-                time_limit=max(floor, min(CHAIN_RESCUE_SECONDS, CHAIN_RESCUE_SHARE * left())))
+                time_limit=None if best[0] is None else max(0.1, min(CHAIN_RESCUE_SECONDS,
+                                                                     CHAIN_RESCUE_SHARE * left())))
             if best[0] is not None and best[0].method == "chen_sqrt" and n > CHAIN_DP_MAX_OPS and has_time():
                 run("chain_dp", "the chain family fits where nothing else did: its optimum over the chain",
                     time_limit=max(0.1, min(CHAIN_RESCUE_SECONDS, CHAIN_RESCUE_SHARE * left())))

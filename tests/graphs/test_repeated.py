@@ -9,6 +9,7 @@ import torch
 from torch import nn
 
 from graphs.capture import capture
+from graphs.compute_graph import BACKWARD_START
 from graphs.module_mode import layer_blocks
 from graphs.repeated import capture_repeated, repeated_layers
 from solver.simulate import simulate
@@ -150,12 +151,16 @@ def test_figures_measured_on_the_cut_capture_reach_every_copy():
     assert cc.resident_gap == (LAYERS - 4) * per_layer  # layers 3 .. L-2 are not in the cut model
     before = {v: cc.whole[v]["time"] for v in cc.whole.ops}
     measure_in_schedule(cc.cut, list(cc.cut.order), times=True, repeats=1)
-    assert cc.copy_costs() == len(cc.whole.ops)
+    cc.whole[BACKWARD_START]["workspace"] = loss = 12345  # the step's loss, charged on the whole DAG
+    assert cc.copy_costs() == len(cc.whole.ops) - 1  # every op but the node the backward starts at
+    assert cc.whole[BACKWARD_START]["workspace"] == loss
     assert cc.whole.meta["time_source"] == cc.whole.meta["workspace_source"] == "measured"
     copies = [v for v in cc.whole.ops if v not in cc.cut.nx]
     named = [cc.whole[v]["module"] for v in copies if cc.whole[v].get("module")]
     assert named and all(m.startswith(("model.layers.3", "model.layers.4")) for m in named)
     for v in cc.whole.ops:
+        if v == BACKWARD_START:
+            continue
         template = cc.cut[v if v in cc.cut.nx else v.rpartition("@")[0]]
         assert cc.whole[v]["time"] == template["time"] and cc.whole[v]["workspace"] == template["workspace"]
     assert sum(before[v] != cc.whole[v]["time"] for v in cc.whole.ops) > len(cc.whole.ops) // 2  # they changed

@@ -357,7 +357,7 @@ def test_a_long_chain_that_eviction_does_not_fit_in_time_gets_the_chain_family()
 
 def test_a_limit_that_eviction_spends_still_ends_with_the_chain_familys_schedule():
     # with half a second, eviction's slice and the setup leave Chen's segments less than
-    # they need on a loaded machine: where nothing fits yet, they get their floor anyway
+    # they need on a loaded machine: where nothing fits yet, they run to the end anyway
     g = training_chain(2000)
     budget = int(0.1 * solver.simulate(g, g.order).peak_bytes)
     s = solver.solve(g, budget, time_limit=0.5)
