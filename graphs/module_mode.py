@@ -168,18 +168,6 @@ def _context_fn(module: nn.Module, action: str):
     return make
 
 
-def _generator_state(device: torch.device, state: torch.Tensor | None = None) -> torch.Tensor | None:
-    """The state of ``device``'s default generator; with ``state``, set it instead."""
-    module = torch if device.type == "cpu" else torch.get_device_module(device.type)
-    if state is None:
-        return module.get_rng_state() if device.type == "cpu" else module.get_rng_state(device)
-    if device.type == "cpu":
-        module.set_rng_state(state)
-    else:
-        module.set_rng_state(state, device)
-    return None
-
-
 class _DrawReplay:
     """Makes the random ops that a selective checkpoint recomputes draw what they drew in
     the forward.
@@ -199,6 +187,7 @@ class _DrawReplay:
 
     def mode(self, *, recompute: bool):
         from graphs.capture import op_draws
+        from graphs.rewrite import _rng_state, _rng_swap
         from graphs.torch_internals import TorchDispatchMode
 
         states, replay = self.states, iter(self.states)
@@ -210,12 +199,12 @@ class _DrawReplay:
                     if recompute:
                         device, state = next(replay, (None, None))
                         if state is not None:
-                            _generator_state(device, state)
+                            _rng_swap(state, device)
                     else:
                         device = kwargs.get("device") or next(
                             (a.device for a in args if isinstance(a, torch.Tensor)), "cpu")
                         device = torch.device(device)
-                        states.append((device, _generator_state(device)))
+                        states.append((device, _rng_state(device)))
                 return func(*args, **kwargs)
 
         return _Draws()
