@@ -348,12 +348,12 @@ def is_random_op(node: torch.fx.Node) -> bool:
     >>> is_random_op(g.call_function(torch.ops.aten.relu.default, (x,)))
     False
     """
-    if not is_op_overload(node.target):
-        return False
-    if torch.Tag.nondeterministic_seeded in node.target.tags:
-        return True
-    name = node.target.overloadpacket.__name__
-    return any(r in name for r in _RANDOM_OPS)
+    return is_op_overload(node.target) and _seeded(node.target)
+
+
+def _seeded(op: Any) -> bool:
+    """An op overload tagged as drawing from a generator, or named as a random op."""
+    return torch.Tag.nondeterministic_seeded in op.tags or any(r in op.overloadpacket.__name__ for r in _RANDOM_OPS)
 
 
 def op_draws(op: Any, args: tuple = (), kwargs: dict | None = None) -> bool:
@@ -376,7 +376,7 @@ def op_draws(op: Any, args: tuple = (), kwargs: dict | None = None) -> bool:
     if "dropout_p" in names:  # tagged as seeded, but drawing only with a dropout
         i = names.index("dropout_p")
         return bool((kwargs or {}).get("dropout_p", args[i] if i < len(args) else 0.0))
-    return torch.Tag.nondeterministic_seeded in op.tags or any(r in op.overloadpacket.__name__ for r in _RANDOM_OPS)
+    return _seeded(op)
 
 
 def capture(
