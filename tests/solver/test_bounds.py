@@ -347,3 +347,42 @@ def test_fixed_order_bound_never_above_the_exact_optimum_of_a_captured_mlp():
     bound = fixed_order_bound(g, budget)
     assert base < bound <= optimum * (1 + 1e-9)
     assert base <= free_order_bound(g, budget) <= optimum * (1 + 1e-9)
+
+
+# ------------------------------------------------------- which boundaries are tried
+def _search(lp: dict, program, *, marks, pool, every, time_limit=5.0):
+    """:func:`solver.bounds._best_of` over a made-up relaxation: the LP at one step is
+    ``lp[step]``, the 0/1 program at a set of steps is ``program(steps)``."""
+    from solver.bounds import _best_of
+    from solver.deadline import Deadline
+
+    calls = []
+
+    def bound_at(steps, integral, seconds):
+        calls.append((tuple(steps), integral))
+        return program(tuple(steps)) if integral else lp.get(steps[0], 100.0)
+
+    best = _best_of(bound_at, marks, 100.0, 100.0, Deadline(time_limit), time_limit, None, every=every, pool=pool)
+    return best, calls
+
+
+def test_the_scan_finds_the_best_single_step_off_the_tries():
+    # the LP peaks at step 57, which is neither among the tries nor on the stride
+    lp = {t: 100.0 + 10.0 - abs(t - 57) * 0.1 for t in range(200)}
+    best, calls = _search(lp, lambda steps: max(lp[t] for t in steps), marks=[0, 1, 2, 3], pool=list(range(200)),
+                          every=[150, 0, 1])
+    assert best == lp[57]
+    assert ((57,), False) in calls and ((57,), True) in calls
+
+
+def test_the_grown_program_keeps_the_boundaries_that_raise_it():
+    # the program gains only from the most-over step (150) and one step far from the best
+    # LP step (its neighbours add nothing); it never falls with a boundary added
+    lp = {t: 100.0 + (10.0 if t == 40 else 5.0 if t in (41, 42, 120) else 1.0) for t in range(200)}
+
+    def program(steps):
+        return 110.0 + 3.0 * (150 in steps) + 2.0 * (120 in steps) if 40 in steps else max(lp[t] for t in steps)
+
+    best, calls = _search(lp, program, marks=[40, 41, 42, 120], pool=list(range(200)), every=[150, 40])
+    assert best == 115.0
+    assert ((40, 120, 150), True) in calls
