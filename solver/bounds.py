@@ -678,21 +678,22 @@ def _best_of(bound_at, marks: list, base: float, best: float, deadline, time_lim
         best = best if lb is None else max(best, lb)
     if pool and not done() and not deadline.expired():
         until = _time.perf_counter() + (SCAN_SECONDS if time_limit is None else SCAN_SHARE * deadline.left())
-        stride = max(1, len(pool) // SCAN)
-        where = {t: i for i, t in enumerate(pool)}
-        sweeps = [pool[::stride]]
-        for sweep in sweeps:
-            for t in sweep:
+
+        def scan(steps) -> bool:
+            """The LP at each of ``steps`` not tried yet; False once the scan's time is up."""
+            for t in steps:
                 if done() or deadline.expired() or _time.perf_counter() > until:
-                    break
+                    return False
                 if t not in lps:
                     lp(t)
-            else:
-                if len(sweeps) == 1 and stride > 1:
-                    sweeps += [pool[max(0, where[t] - stride + 1):where[t] + stride] for t in ranked()[:3]
-                               if t in where]
-                continue
-            break
+            return True
+
+        stride = max(1, len(pool) // SCAN)
+        if scan(pool[::stride]) and stride > 1:
+            where = {t: i for i, t in enumerate(pool)}
+            for t in [t for t in ranked()[:3] if t in where]:
+                if not scan(pool[max(0, where[t] - stride + 1):where[t] + stride]):
+                    break
     if not lps or best <= base:
         return best
     until = _time.perf_counter() + (INTEGRAL_SECONDS if time_limit is None else deadline.left())
@@ -709,7 +710,7 @@ def _best_of(bound_at, marks: list, base: float, best: float, deadline, time_lim
         picked = arrange(grown + [t])
         if tuple(picked) in programs or len(picked) <= len(grown):
             continue
-        lb = program(picked, left / (len(tries) - j + 1))
+        lb = program(picked, left / min(len(tries) - j + 1, 3))
         if lb is not None and lb > now * (1 + 1e-9):
             grown, now = picked, lb
     trials = [arrange(ranked()[:k]) for k in INTEGRAL_SETS if k <= len(lps)]
