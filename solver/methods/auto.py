@@ -172,7 +172,9 @@ STAGE_MILP_MORE_SHARE = 0.9
 #: 1.07-1.15x and the rounds after it fit (within a proven 1.0-6.3 % with 10 s on four
 #: captures; two peaked at 1.150x, where 1.15 stopped them at 18-19 %); on the GPT and
 #: HF GPT-2 at 0.3x (dropout replayed) at 1.19-1.43x, and the rounds that follow take
-#: 5-40 s for schedules that ``lns`` beats in 5-10 s.
+#: 5-40 s for schedules that ``lns`` beats in 5-10 s. There the first plan already peaks
+#: at 1.52-1.57x, above this times :data:`solver.methods.stage_milp.FIRST_GIVE_UP`, so
+#: the rounds end before the first held one (2.4 s sooner).
 STAGE_MILP_GIVE_UP = 1.17
 #: On training graphs past :data:`STAGE_MILP_MAX_OPS` ops, the share of the time left
 #: for one round of ``stage_milp`` (the first program's plan, repaired), and the seconds

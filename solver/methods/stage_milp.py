@@ -56,7 +56,7 @@ from solver.simulate import simulate
 
 __all__ = ["stage_milp", "sequence_from_stages", "FIRST_BOUNDARIES", "MORE_BOUNDARIES", "ROUNDS", "SMALL_OPS",
            "HELD_SHARE", "HELD_SECONDS", "HELD_OVER", "FIRST_SHARE", "REPAIR_SHARE", "ROUND_REPAIR_SHARE",
-           "NEAR_OVER"]
+           "NEAR_OVER", "FIRST_GIVE_UP"]
 
 #: Boundaries of the first round (the steps most over the budget), and at most added by
 #: each later one: on graphs up to :data:`SMALL_OPS` ops, and on larger ones (where
@@ -92,6 +92,12 @@ ROUND_REPAIR_SHARE = 0.3
 #: the budget (on captures of the Llama at 0.3x the second held round's plan peaks at
 #: 1.07-1.10x and the third fits; on HF GPT-2 at 0.3x they stay at 1.09-1.18x for minutes).
 NEAR_OVER = 1.1
+#: With ``give_up_over``, the rounds also end after a first plan (the one the held
+#: rounds would start from) that peaks above ``give_up_over`` times this times the
+#: budget: on captures of GPT-style LMs at 0.3x of store-all, the first plan peaks at
+#: 1.52-1.57x and the held round after it, 2.4 s later, at 1.19-1.43x, where the rounds
+#: gave up anyway; on the Llama at 0.3x, whose held rounds fit, it peaks at 1.30-1.38x.
+FIRST_GIVE_UP = 1.24
 
 
 def sequence_from_stages(graph: ComputeGraph, boundaries: Sequence[Hashable],
@@ -245,9 +251,11 @@ def stage_milp(graph: ComputeGraph, budget_bytes: int, *, time_limit: float | No
         plan that fits: those may go on to ``time_limit``. Whole rounds before them get
         at most the time left to ``soft_limit``. Default: ``time_limit``.
     give_up_over : float, optional
-        End the rounds after a held round whose plan peaks above this times the budget
-        (its plan repaired, as every held plan closer to the budget than those before
-        it): a caller with other searches to run gives them the time. Default: never.
+        End the rounds after a held round whose plan peaks above this times the budget,
+        or after the first plan to hold from where it peaks above this times
+        :data:`FIRST_GIVE_UP` times the budget (its plan repaired, as every held plan
+        closer to the budget than those before it): a caller with other searches to run
+        gives them the time. Default: never.
 
     Returns
     -------
@@ -375,8 +383,12 @@ def stage_milp(graph: ComputeGraph, budget_bytes: int, *, time_limit: float | No
             elif r.peak_bytes < closest:
                 closest = r.peak_bytes  # the closest to the budget so far: repaired, briefly
                 _repair_into(seq, share=REPAIR_SHARE)
-        if held is not None and not fits and give_up_over is not None and r.peak_bytes > give_up_over * budget_bytes:
-            break  # a held plan still far over the budget: the caller's other searches get the time
+        if not fits and give_up_over is not None and (held is not None or holding):
+            # a held plan still far over the budget, or a first plan so far over it
+            # that the held rounds would not bring it near: the caller's other
+            # searches get the time
+            if r.peak_bytes > give_up_over * (1.0 if held is not None else FIRST_GIVE_UP) * budget_bytes:
+                break
         if (best is not None and _closed(best_cost, bound, base)) or (enough is not None and bound >= enough):
             break
         if fits and held is not None:

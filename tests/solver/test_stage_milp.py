@@ -244,12 +244,16 @@ def test_past_the_soft_limit_only_held_rounds_closing_in_go_on(monkeypatch, unhu
     assert min(r["peak"] for r in rounds) <= min(peaks) * module.HELD_OVER
 
 
-def test_a_held_plan_far_over_the_budget_ends_the_rounds_where_the_caller_asks(unhurried):
+def test_a_held_plan_far_over_the_budget_ends_the_rounds_where_the_caller_asks(monkeypatch, unhurried):
     # give_up_over: the rounds end after a held round whose plan peaks above that times
     # the budget (auto passes it, and gives its other searches the time); without it
     # they go on
+    import importlib
+
     from solver.synthetic import random_training_graph
 
+    module = importlib.import_module("solver.methods.stage_milp")
+    monkeypatch.setattr(module, "FIRST_GIVE_UP", 10.0)  # (the first plan: the test below)
     g = random_training_graph(24, seed=3)
     budget = budget_between(g, 0.35)
     kw = dict(time_limit=60, hold_rounds=True, first=1, more=2)
@@ -262,6 +266,28 @@ def test_a_held_plan_far_over_the_budget_ends_the_rounds_where_the_caller_asks(u
     assert all(not r["held"] or r["peak"] is None or r["peak"] <= budget for r in ended[:-1])
     assert len(ended) < len(rounds)
     _check(g, budget, s)
+
+
+def test_a_first_plan_far_over_the_budget_ends_the_rounds_where_the_caller_asks(unhurried):
+    # give_up_over: a first plan to hold from that peaks above give_up_over times
+    # FIRST_GIVE_UP times the budget ends the rounds at once; one just below it does not
+    import importlib
+
+    from solver.synthetic import random_training_graph
+
+    module = importlib.import_module("solver.methods.stage_milp")
+    g = random_training_graph(24, seed=3)
+    budget = budget_between(g, 0.35)
+    kw = dict(time_limit=60, hold_rounds=True, first=1, more=2)
+    first = stage_milp(g, budget, **kw).info["rounds"][0]["peak"]
+    assert first > module.HELD_OVER * budget  # (the rounds after it are held)
+    below = first / (module.FIRST_GIVE_UP * budget)
+    ended = stage_milp(g, budget, give_up_over=0.99 * below, **kw)  # (its plan, repaired, fits)
+    assert len(ended.info["rounds"]) == 1 and not ended.info["rounds"][0]["held"]
+    _check(g, budget, ended)
+    on = stage_milp(g, budget, give_up_over=1.01 * below, **kw)
+    assert len(on.info["rounds"]) > 1 and on.info["rounds"][1]["held"]
+    _check(g, budget, on)
 
 
 def test_the_first_of_held_rounds_gets_its_share_and_runs_again_without_a_solution(monkeypatch):
