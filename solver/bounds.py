@@ -218,7 +218,8 @@ def stage_lp_bound(graph: ComputeGraph, budget_bytes: int, *, stages: int = STAG
                    boundaries: list | None = None, time_limit: float | None = None,
                    kept: dict | None = None, integral: bool = False,
                    solution: dict | None = None, hold: dict | None = None,
-                   hint: dict | None = None, reference: tuple | None = None) -> float | None:
+                   hint: dict | None = None, reference: tuple | None = None,
+                   gap: float | None = None) -> float | None:
     """A lower bound on the cost of any schedule whose first computations follow the
     reference order: the linear relaxation of the schedule at a few steps (stages).
 
@@ -276,6 +277,10 @@ def stage_lp_bound(graph: ComputeGraph, budget_bytes: int, *, stages: int = STAG
     hint : dict, optional
         With ``integral``, a solution at the same boundaries to start from, as
         ``solution["redo"]`` gives it (node id -> intervals).
+    gap : float, optional
+        With ``integral``, the solver may stop once its solution costs at most this
+        share above its proven bound (which holds all the same): for programs whose
+        solution serves to build a schedule.
 
     Returns
     -------
@@ -346,7 +351,7 @@ def stage_lp_bound(graph: ComputeGraph, budget_bytes: int, *, stages: int = STAG
     rule = _Rule(candidates=lambda k: range(marks[k]), before=lambda i, k: i < marks[k], required=required,
                  may_first=lambda i, k: i > marks[0] and interval(i) == k)
     return _relaxation(graph, budget_bytes, ops, index, size, marks, rule, deadline, kept, integral, solution,
-                       hold, hint)
+                       hold, hint, gap)
 
 
 class _Rule:
@@ -378,7 +383,8 @@ def _boundary_indices(graph: ComputeGraph, boundaries, index: dict) -> list[int]
 
 def _relaxation(graph: ComputeGraph, budget_bytes: int, ops: list, index: dict, size: list, marks: list,
                 rule: _Rule, deadline, kept: dict | None, integral: bool = False,
-                solution: dict | None = None, hold: dict | None = None, hint: dict | None = None) -> float | None:
+                solution: dict | None = None, hold: dict | None = None, hint: dict | None = None,
+                gap: float | None = None) -> float | None:
     """The LP of :func:`stage_lp_bound` at the boundaries ``marks`` (op indices, in the
     order of their first computations), with what the order freedom allows from ``rule``."""
     from solver.deadline import OutOfTime
@@ -506,7 +512,13 @@ def _relaxation(graph: ComputeGraph, budget_bytes: int, ops: list, index: dict, 
         left = deadline.left()
         if math.isfinite(left):
             lp.SetTimeLimit(max(1, int(1000 * left)))
-        status = solve_quietly(lp)
+        params = None
+        if integral and gap is not None:
+            from ortools.linear_solver import pywraplp
+
+            params = pywraplp.MPSolverParameters()
+            params.SetDoubleParam(params.RELATIVE_MIP_GAP, float(gap))
+        status = solve_quietly(lp, params)
     except OutOfTime:
         return None
     if status == lp.INFEASIBLE:

@@ -205,6 +205,31 @@ def test_the_integral_program_never_falls_with_a_boundary_added(kind, size, seed
         assert more >= fewer - 1e-4 * (fewer - base) - 1e-9 * base
 
 
+def test_the_integral_program_may_stop_at_a_gap_and_its_bound_still_holds(monkeypatch):
+    # with gap, SCIP gets it as its relative MIP gap; what it returns is its proven bound
+    # (at most the optimum) and a solution within that gap of it
+    import solver.lp_backend as lp_backend
+
+    g = random_training_graph(60, seed=1)
+    budget = budget_between(g, 0.3)
+    base = g.total("time")
+    exact = stage_lp_bound(g, budget, stages=4, integral=True)  # (the steps most over the budget)
+    gaps = []
+    real = lp_backend.solve_quietly
+
+    def record(solver, params=None):
+        gaps.append(None if params is None else params.GetDoubleParam(params.RELATIVE_MIP_GAP))
+        return real(solver, params)
+
+    monkeypatch.setattr(lp_backend, "solve_quietly", record)
+    sol: dict = {}
+    loose = stage_lp_bound(g, budget, stages=4, integral=True, gap=0.3, solution=sol)
+    assert gaps == [pytest.approx(0.3)]
+    assert base < loose <= exact + 1e-6 * (exact - base)
+    assert sol and base + sol["value"] >= exact - 1e-6 * (exact - base)
+    assert sol["value"] <= 1.3 * (loose - base) * (1 + 1e-4) + 1e-9 * base
+
+
 def test_stage_lp_out_of_time_is_none():
     g = random_training_graph(150, seed=0)
     budget = budget_between(g, 0.3)

@@ -318,6 +318,29 @@ def test_the_first_of_held_rounds_gets_its_share_and_runs_again_without_a_soluti
     _check(g, budget, s)
 
 
+def test_only_held_rounds_stop_at_a_gap(monkeypatch):
+    # a held round proves nothing: its program may stop once its solution is within
+    # HELD_GAP of its optimum; the whole rounds, whose bounds count, solve to optimality
+    import solver.bounds as bounds
+    from solver.methods.stage_milp import HELD_GAP
+    from solver.synthetic import random_training_graph
+
+    calls = []
+    real = bounds.stage_lp_bound
+
+    def record(*args, **kw):
+        calls.append((kw.get("hold") is not None, kw.get("gap")))
+        return real(*args, **kw)
+
+    monkeypatch.setattr(bounds, "stage_lp_bound", record)
+    g = random_training_graph(24, seed=3)
+    budget = budget_between(g, 0.35)
+    s = stage_milp(g, budget, time_limit=60, hold_rounds=True, first=1, more=2)
+    assert any(held for held, _ in calls) and any(not held for held, _ in calls)
+    assert all(gap == (HELD_GAP if held else None) for held, gap in calls)
+    _check(g, budget, s)
+
+
 def test_the_last_round_repairs_its_plan_with_the_time_left(monkeypatch):
     # a repair leaves time for the rounds after it; the last round's (one round: the
     # first program's plan, repaired) has none to leave
