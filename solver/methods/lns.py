@@ -110,7 +110,7 @@ def _ruin(seq: list[int], rng: random.Random, time: list[float], n: int) -> tupl
 
 def improve_sequence(graph: ComputeGraph, sequence: Sequence[Hashable], budget_bytes: int, *,
                      deadline: float, seed: int = 0, ix: IndexedGraph | None = None,
-                     more: Sequence[Sequence[Hashable]] = ()) -> list[Hashable]:
+                     more: Sequence[Sequence[Hashable]] = (), stop=None) -> list[Hashable]:
     """A cheaper schedule of the same first-run order as ``sequence``, by large
     neighbourhood search (see the module), or ``sequence`` itself.
 
@@ -130,6 +130,9 @@ def improve_sequence(graph: ComputeGraph, sequence: Sequence[Hashable], budget_b
     more : sequence of sequences, optional
         Other starts with the same order of first runs (the others are left out): every
         other round goes to the cheapest current schedule, the others take turns.
+    stop : callable, optional
+        Checked before each round: the search ends once it returns True (a bound
+        computed beside it has closed the gap).
 
     Returns
     -------
@@ -176,7 +179,7 @@ def improve_sequence(graph: ComputeGraph, sequence: Sequence[Hashable], budget_b
             states.append([cur, r.cost, np.maximum(cap, _Plan.of_sequence(ix, order, cur).memory)])
     rng = random.Random(seed)
     rounds = 0
-    while states and _time.perf_counter() < deadline:
+    while states and _time.perf_counter() < deadline and not (stop is not None and stop()):
         # every other round goes to the cheapest state, the others take turns
         state = min(states, key=lambda x: x[1]) if rounds % 2 else states[(rounds // 2) % len(states)]
         rounds += 1

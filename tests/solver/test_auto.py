@@ -366,6 +366,84 @@ def test_a_limit_that_eviction_spends_still_ends_with_the_chain_familys_schedule
     assert s.method in ("auto:chen_sqrt", "auto:chain_dp")
 
 
+def _large_chain_for_auto(monkeypatch):
+    """A 70-layer chain at 0.3x that ``auto`` treats as past BOUND_LIMITED_MAX_OPS ops,
+    and the modules to patch."""
+    import importlib
+    import random
+
+    from solver.synthetic import budget_between
+
+    auto = importlib.import_module("solver.methods.auto")
+    rng = random.Random(2)
+    g = training_chain(70, fwd_bytes=[rng.randint(1, 9) for _ in range(70)])
+    monkeypatch.setattr(auto, "BOUND_LIMITED_MAX_OPS", len(g.ops) - 1)
+    return g, budget_between(g, 0.3), importlib.import_module("solver.bounds"), importlib.import_module("solver.methods.lns")
+
+
+def test_on_a_large_graph_the_fixed_order_bound_runs_beside_the_search(monkeypatch):
+    # with a time limit, past BOUND_LIMITED_MAX_OPS ops, a winner that keeps the
+    # reference order: the fixed-order bound runs in a thread of its own while the
+    # search runs, and what it proves is the schedule's bound
+    import threading
+    import time
+
+    g, budget, bounds, lns = _large_chain_for_auto(monkeypatch)
+    seen = {}
+    real_bound, real_search = bounds.fixed_order_bound, lns.improve_sequence
+
+    def bound(*args, **kw):
+        seen["bound"] = (threading.current_thread() is threading.main_thread(), time.perf_counter())
+        lb = real_bound(*args, **kw)
+        seen["bound"] += (time.perf_counter(), lb)
+        return lb
+
+    def search(*args, **kw):
+        start = time.perf_counter()
+        out = real_search(*args, **kw)
+        seen["search"] = (threading.current_thread() is threading.main_thread(), start, time.perf_counter())
+        return out
+
+    monkeypatch.setattr(bounds, "fixed_order_bound", bound)
+    monkeypatch.setattr(lns, "improve_sequence", search)
+    s = solver.solve(g, budget, method="auto", time_limit=3, gap_tolerance=0.0)
+    r = solver.simulate(g, s)
+    assert r.valid and r.peak_bytes <= budget
+    in_main, b0, b1, lb = seen["bound"]
+    s_main, s0, s1 = seen["search"]
+    assert not in_main and s_main
+    assert b0 < s1 and s0 < b1  # side by side
+    assert s.info["bound_scope"] == "fixed order" and s.lower_bound == pytest.approx(min(lb, r.cost))
+
+
+def test_the_search_beside_the_bound_stops_once_the_bound_closes_the_gap(monkeypatch):
+    # a bound that reaches what closes the gap at once (made up here) ends the search
+    # long before its deadline; an error in the bound's thread reaches the caller
+    import time
+
+    g, budget, bounds, lns = _large_chain_for_auto(monkeypatch)
+    ended = {}
+    real_search = lns.improve_sequence
+
+    def search(*args, **kw):
+        out = real_search(*args, **kw)
+        ended.update(left=kw["deadline"] - time.perf_counter(), stopped=kw["stop"]())
+        return out
+
+    monkeypatch.setattr(bounds, "fixed_order_bound", lambda *a, **kw: kw["enough"])
+    monkeypatch.setattr(lns, "improve_sequence", search)
+    s = solver.solve(g, budget, method="auto", time_limit=3, gap_tolerance=0.0)
+    assert ended["stopped"] and ended["left"] > 0.5
+    assert s.lower_bound == pytest.approx(solver.simulate(g, s).cost)  # (what the made-up bound said)
+
+    def broken(*args, **kw):
+        raise RuntimeError("bound broke")
+
+    monkeypatch.setattr(bounds, "fixed_order_bound", broken)
+    with pytest.raises(RuntimeError, match="bound broke"):
+        solver.solve(g, budget, method="auto", time_limit=3, gap_tolerance=0.0)
+
+
 def test_a_large_graph_with_a_fixed_order_bound_leaves_the_time_of_the_free_order_one_to_the_search(monkeypatch):
     # with a time limit, past BOUND_LIMITED_MAX_OPS ops, a winner that keeps the reference
     # order with stage_milp's bound known: the bound valid in any order is not computed
