@@ -403,20 +403,21 @@ def solve_auto(graph: ComputeGraph, budget: int, *, time_limit: float | None = N
         # 2. eviction on the reference order: fast, near-optimal on training graphs
         run("eviction", "DTR-style eviction on the reference order",
             time_limit=max(0.1, min(1.0 if unlimited else 2.0, 0.2 * limit)), ix=ix)
-        # 2a. eviction found nothing, or its time cut its passes short, on a training
-        #     graph past STAGE_MILP_MAX_OPS ops (where the steps after it take long):
+        # 2a. on a training graph past STAGE_MILP_MAX_OPS ops (where the steps after it
+        #     take long), where eviction left extra compute:
         #     Chen's sqrt(L) segments over the chain of stages (hundredths of a second
         #     where they do not fit), then, where they are the best so far, the chain
         #     DP (coarse, but on a chain of thousands of layers at 0.1x, where the
         #     op-level heuristics fail, they fit: 5,000 layers, +32.9 % and +31.0 %)
-        cut = best[0] is not None and best[0].info.get("complete") is False
-        if training and (best[0] is None or cut) and n > STAGE_MILP_MAX_OPS and (has_time() or best[0] is None):
-            # where nothing fits yet, Chen's segments are the schedule of last resort: one
-            # plan built and graded (hundredths of a second on a chain of 2,000 layers),
-            # not cut short by what the heuristics before them left
-            run("chen_sqrt", "eviction did not finish: Chen's sqrt(L) segments over the chain of stages",
-                time_limit=None if best[0] is None else max(0.1, min(CHAIN_RESCUE_SECONDS,
-                                                                     CHAIN_RESCUE_SHARE * left())))
+        # (also where eviction finished: on a chain of 2,000 layers at 0.1x, where its
+        # passes end within their slice on a fast machine, they cost +152 % and Chen's
+        # segments +33 %)
+        if training and extra() and n > STAGE_MILP_MAX_OPS:
+            # one plan built and graded (hundredths of a second on a chain of 2,000
+            # layers), not cut short by what the heuristics before it left: where nothing
+            # fits yet, the schedule of last resort
+            run("chen_sqrt", "Chen's sqrt(L) segments over the chain of stages: cheaper than eviction here",
+                time_limit=None)
             if best[0] is not None and best[0].method == "chen_sqrt" and n > CHAIN_DP_MAX_OPS and has_time():
                 run("chain_dp", "the chain family fits where nothing else did: its optimum over the chain",
                     time_limit=max(0.1, min(CHAIN_RESCUE_SECONDS, CHAIN_RESCUE_SHARE * left())))

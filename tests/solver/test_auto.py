@@ -355,6 +355,37 @@ def test_a_long_chain_that_eviction_does_not_fit_in_time_gets_the_chain_family()
     assert "chen_sqrt" in s.info["auto"]["tried"]
 
 
+def test_a_long_chain_where_eviction_finishes_still_gets_the_chain_family(monkeypatch):
+    # on a fast machine eviction's passes all end within their slice (info["complete"]);
+    # its schedule (+152 %) still meets Chen's segments (+33 %), which win
+    import dataclasses
+    import importlib
+
+    auto = importlib.import_module("solver.methods.auto")
+    registered = auto._registered
+
+    def finished(name):
+        info = registered(name)
+        if name != "eviction" or info is None:
+            return info
+
+        def fn(*args, **kw):
+            s = info.fn(*args, **kw)
+            s.info = {**s.info, "complete": True}
+            return s
+
+        return dataclasses.replace(info, fn=fn)
+
+    monkeypatch.setattr(auto, "_registered", finished)
+    g = training_chain(2000)
+    budget = int(0.1 * solver.simulate(g, g.order).peak_bytes)
+    chen = solver.solve(g, budget, method="chen_sqrt")
+    s = solver.solve(g, budget, time_limit=2)
+    r = solver.simulate(g, s)
+    assert r.valid and r.peak_bytes <= budget and r.cost <= chen.cost
+    assert isinstance(s.info["auto"]["tried"]["chen_sqrt"], float)
+
+
 def test_a_limit_that_eviction_spends_still_ends_with_the_chain_familys_schedule():
     # with half a second, eviction's slice and the setup leave Chen's segments less than
     # they need on a loaded machine: where nothing fits yet, they run to the end anyway
