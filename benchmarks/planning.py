@@ -114,7 +114,7 @@ def _run(layers: int, mode: str, queue) -> None:
                    check_parts={k: round(clock.spent.get(k, 0.0), 2) for k in ("rewrite", "self_check",
                                                                                  "measured_peak")},
                    method=getattr(report, "method", None), overhead=getattr(report, "predicted_overhead", None),
-                   torch=torch.__version__))
+                   notes=list(getattr(report, "notes", [])), torch=torch.__version__))
 
 
 def main(argv=None) -> None:

@@ -49,7 +49,7 @@ from graphs.torch_internals import (FakeTensorMode, aot_export_joint, drop_pytho
                                      is_op_overload, lazy_graph_modules, op_schema, override_python_kernels,
                                      tree_flatten, tree_leaves, tree_unflatten)
 
-__all__ = ["capture", "CaptureInfo", "default_loss", "is_random_op", "op_draws"]
+__all__ = ["capture", "CaptureInfo", "default_loss", "is_random_op", "op_draws", "graph_of_joint"]
 
 log = logging.getLogger(__name__)
 
@@ -159,6 +159,10 @@ class CaptureInfo:
     autocast : tuple
         The autocast state of the capture (:func:`graphs.autocast.autocast_state`): the
         joint graph is traced under it and holds its casts.
+    stitched : graphs.repeated.Stitched or None
+        Set when the joint graph was written from a capture of fewer layers
+        (:func:`graphs.repeated.capture_cut` with ``runnable=True``): ``joint`` is then
+        that capture's export, and the step runs ``fx`` itself.
     """
 
     step: torch.nn.Module
@@ -171,6 +175,7 @@ class CaptureInfo:
     out_spec: Any = None
     backward: str = "loss"
     autocast: tuple = ()
+    stitched: Any = None
 
 
 def _export_joint(stack: contextlib.ExitStack, step: torch.nn.Module, flat_inputs: list, fake_mode: Any,
@@ -565,6 +570,37 @@ def capture(
     cg.capture_info = CaptureInfo(step=step, flat_inputs=user_flat, fake_mode=fake_mode, joint=joint, real=real,
                                   input_indices=input_indices, in_spec=in_spec, out_spec=out_spec,
                                   backward=backward, autocast=amp)
+    return cg
+
+
+def graph_of_joint(gm: torch.fx.GraphModule, *, name: str, state: torch.nn.Module, meta: dict) -> ComputeGraph:
+    """The :class:`ComputeGraph` of a joint graph whose nodes carry their costs in their
+    metadata already (a joint written from a capture's, :mod:`graphs.repeated`):
+    storages are read again, the rest as the nodes say.
+
+    Parameters
+    ----------
+    gm : torch.fx.GraphModule
+        The joint graph.
+    name : str
+    state : torch.nn.Module
+        Holds the parameters and buffers that the inputs' descriptors name (tied
+        weights are found by identity there).
+    meta : dict
+        Graph metadata to carry (``time_source``, ``workspace_source``, ...).
+
+    Examples
+    --------
+    >>> net = torch.nn.Sequential(torch.nn.Linear(4, 8), torch.nn.ReLU(), torch.nn.Linear(8, 1))
+    >>> cg = capture(net, (torch.randn(2, 4),), backward="outputs", measure_time=False)
+    >>> again = graph_of_joint(cg.fx, name="net", state=cg.capture_info.step, meta={})
+    >>> (len(again), again.order) == (len(cg), cg.order)
+    True
+    """
+    placeholders = [n for n in gm.graph.nodes if n.op == "placeholder"]
+    cg = _build(gm, costs.annotate_storage(gm), name=name, shared=_shared_sources(placeholders, state))
+    cg.meta.update(meta)
+    cg.fx = gm
     return cg
 
 

@@ -36,8 +36,8 @@ from graphs.costs import _tensor_storage_bytes, annotate_storage
 from graphs.errors import RematError
 from graphs.planned import Planner, input_signature, wrap_planned
 from graphs.rewrite import _is_view, boxed, partition_by_schedule
-from graphs.torch_internals import (FakeTensorMode, aot_compile_joint, detect_fake_mode, inductor_compile,
-                                     is_op_overload, tree_flatten, tree_unflatten)
+from graphs.torch_internals import (FakeTensorMode, aot_compile_joint, clear_saved_tensors, detect_fake_mode,
+                                     inductor_compile, is_op_overload, tree_flatten, tree_unflatten)
 
 __all__ = ["ScheduledStep", "wrap_graph_mode", "input_signature", "memory_profile", "COMPILERS"]
 
@@ -339,11 +339,17 @@ class ScheduledStep:
         over; runs of fewer than four ops run eagerly. ``None``: no limit (whole graphs
         compile; fastest, but the peak is inductor's, not the schedule's).
 
+    A joint graph written from a capture of four alike layers
+    (``graph.capture_info.stitched``, :func:`graphs.repeated.stitch_joint`) is cut the
+    same way and runs as plain fx code in an autograd function of its own, which frees
+    saved values and output gradients as AOTAutograd's runtime does.
+
     Raises
     ------
     RematError
-        The graph was not captured with ``backward="outputs"``, ``compiler`` is unknown,
-        or inductor failed to compile a graph (the message suggests ``compiler="eager"``).
+        The graph was not captured with ``backward="outputs"``, ``compiler`` is unknown
+        (or not ``"eager"`` for a written joint graph), or inductor failed to compile a
+        graph (the message suggests ``compiler="eager"``).
 
     Examples
     --------
@@ -383,6 +389,16 @@ class ScheduledStep:
             fw_room, bw_room = headroom if isinstance(headroom, tuple) else (headroom, headroom)
             fw_comp, bw_comp = (_inductor_compiler(False, self.inductor_graphs, fw_room),
                                 _inductor_compiler(True, self.inductor_graphs, bw_room))
+        if info.stitched is not None:  # a joint written from a cut capture runs itself
+            if compiler != "eager":
+                raise RematError("a step written from a capture of fewer layers runs as plain fx code only; "
+                                 "compiler='inductor' plans on a capture of the whole step")
+            written = info.stitched
+            self.params_spec, self.buffers_spec = list(written.params_spec), list(written.buffers_spec)
+            fw, bw, self.saved = partition_by_schedule(graph.fx, self.sequence,
+                                                        num_fwd_outputs=written.num_fwd_outputs)
+            self.fn = _plain_step(boxed(fw), boxed(bw), written.num_fwd_outputs)
+            return
         jd = info.joint  # the capture's own export: each compile copies what it writes into
         self.params_spec = list(jd.params_spec)
         self.buffers_spec = list(jd.buffers_spec)
@@ -401,6 +417,44 @@ class ScheduledStep:
         with no_autocast():  # the graphs hold the casts of the autocast state they were captured in
             out = self.fn(*params, *buffers, *user)
         return tree_unflatten(list(out), self.info.out_spec)
+
+
+_SAVED = object()  # a saved value that went to save_for_backward
+
+
+def _plain_step(fw: Callable, bw: Callable, num_fwd_outputs: int) -> Callable:
+    """The autograd function of a joint graph's forward and backward graphs (boxed), for
+    a joint that needs none of AOTAutograd's runtime wrappers
+    (:func:`graphs.torch_internals.joint_is_plain`): the forward keeps what the forward
+    graph saves, and the backward hands it over in the list that its graph clears as it
+    goes, so each saved value is freed after its last use, as AOTAutograd's runtime does."""
+
+    class _Step(torch.autograd.Function):
+        @staticmethod
+        def forward(ctx: Any, *args: Any) -> Any:
+            out = fw(list(args))
+            kept = list(out[num_fwd_outputs:])
+            tensors = [isinstance(v, torch.Tensor) for v in kept]
+            ctx.save_for_backward(*[v for v, t in zip(kept, tensors) if t])
+            ctx.others = [_SAVED if t else v for v, t in zip(kept, tensors)]
+            # an output the loss does not read gets no gradient: its zeros are made in the
+            # list the backward graph clears, not held by the caller through the backward
+            ctx.set_materialize_grads(False)
+            ctx.outputs = [(o.shape, o.dtype, o.device) for o in out[:num_fwd_outputs]]
+            return tuple(out[:num_fwd_outputs])
+
+        @staticmethod
+        def backward(ctx: Any, *grads: Any) -> Any:
+            tensors = iter(ctx.saved_tensors)
+            kept = [next(tensors) if v is _SAVED else v for v in ctx.others]
+            del tensors
+            clear_saved_tensors(ctx)
+            kept.extend(torch.zeros(shape, dtype=dtype, device=device) if g is None else g.contiguous()
+                        for g, (shape, dtype, device) in zip(grads, ctx.outputs))
+            with no_autocast():  # the graph holds the casts of the autocast state it was captured in
+                return tuple(bw(kept))
+
+    return _Step.apply
 
 
 def _fqn(name: str) -> str:

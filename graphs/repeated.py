@@ -14,6 +14,14 @@ The result is a DAG for pricing (the solvers, the trainer policies, ``estimate``
 has no fx graph to run (``cg.fx`` and ``cg.capture_info`` are None). What must run (op
 times and workspaces measured on real tensors) runs on the cut model's capture, which
 :func:`capture_cut` keeps beside the whole DAG, and its figures are copied onto it.
+
+Graph mode runs the step's joint graph itself. ``capture_cut(..., runnable=True)``
+writes that graph too (:func:`stitch_joint`): layer 2's nodes of the cut capture's joint
+graph are copied for every middle layer, each copy reading its own parameters, and the
+DAG is built from the written graph as a capture builds it. The written graph runs in
+an autograd function of its own (:class:`graphs.graph_mode.ScheduledStep`), which is
+why only joints that need none of AOTAutograd's runtime wrappers are written (no
+mutated inputs, no aliased outputs: :func:`graphs.torch_internals.joint_is_plain`).
 """
 
 from __future__ import annotations
@@ -28,7 +36,8 @@ import torch
 
 from graphs.compute_graph import BACKWARD_START, ComputeGraph
 
-__all__ = ["capture_repeated", "capture_cut", "CutCapture", "repeated_layers", "repeat_layers"]
+__all__ = ["capture_repeated", "capture_cut", "CutCapture", "repeated_layers", "repeat_layers", "stitch_joint",
+           "Stitched"]
 
 log = logging.getLogger(__name__)
 
@@ -171,6 +180,7 @@ class CutCapture:
 
     cut: ComputeGraph
     whole: ComputeGraph
+    template: dict | None = None
 
     @property
     def resident_gap(self) -> int:
@@ -196,7 +206,7 @@ class CutCapture:
         for w in self.whole.ops:
             if w == BACKWARD_START:  # it carries the step's loss (graphs.loss), which the cut's does not
                 continue
-            v = w if w in cut else str(w).rpartition("@")[0]
+            v = self.template.get(w, w) if self.template is not None else w if w in cut else str(w).rpartition("@")[0]
             if v not in cut:  # pragma: no cover - repeat_layers names every copy so
                 raise KeyError(f"{w!r} has no template node in the cut capture")
             for key in _MEASURED:
@@ -210,13 +220,19 @@ class CutCapture:
 
 
 def capture_cut(model: torch.nn.Module, example_inputs: Any, *, blocks: Sequence[str],
-                capture: Callable[..., ComputeGraph], **options: Any) -> CutCapture | None:
+                capture: Callable[..., ComputeGraph], runnable: bool = False, **options: Any) -> CutCapture | None:
     """:func:`capture_repeated`, keeping the capture of the cut model beside the DAG.
 
     Parameters
     ----------
     model, example_inputs, blocks, capture, **options
         As for :func:`capture_repeated`.
+    runnable : bool
+        Write the whole step's joint graph too (:func:`stitch_joint`; captured with
+        ``backward="outputs"``): the DAG is then that graph's, with ``fx`` and a
+        ``capture_info`` whose ``stitched`` says how it runs
+        (:class:`graphs.graph_mode.ScheduledStep`); copies of layer 2 are named
+        ``<node>_l<layer>``. None where it cannot be written.
 
     Returns
     -------
@@ -243,7 +259,42 @@ def capture_cut(model: torch.nn.Module, example_inputs: Any, *, blocks: Sequence
     except Exception as exc:  # the cut model may not run where the whole one does: capture that
         return _differ(f"the model cut to {_KEPT} layers does not capture ({type(exc).__name__}: {exc})")
     whole = repeat_layers(cg, parent=parent, count=n)
-    return None if whole is None else CutCapture(cut=cg, whole=whole)
+    if whole is None or not runnable:
+        return None if whole is None else CutCapture(cut=cg, whole=whole)
+    return _runnable_cut(cg, model, parent=parent, count=n, repeated=whole.meta["repeated"])
+
+
+def _runnable_cut(cg: ComputeGraph, model: torch.nn.Module, *, parent: str, count: int,
+                  repeated: dict) -> CutCapture | None:
+    """The cut capture and the DAG of its written joint graph (:func:`stitch_joint`)."""
+    from dataclasses import replace
+
+    from graphs.capture import graph_of_joint
+
+    info = cg.capture_info
+    if info is None or info.backward != "outputs":
+        return _differ("a runnable step needs a capture with backward='outputs'")
+    got = stitch_joint(cg, model, parent=parent, count=count)
+    if got is None:
+        return None
+    gm, stitched = got
+    state = torch.nn.Module()
+    state.add_module(stitched.params_spec[0].split(".")[0] if stitched.params_spec else "gm", model)
+    # what the capture says of itself; the rest (the random ops' order, ...) is the written graph's own
+    said = {k: cg.meta[k] for k in ("captured_with", "time_source", "torch", "autocast") if k in cg.meta}
+    whole = graph_of_joint(gm, name=cg.name, state=state, meta=dict(said, repeated=repeated))
+    whole.capture_info = replace(info, stitched=stitched)
+    log.info("stitch_joint: %d layers from %d captured (%d nodes)", count, _KEPT, len(whole))
+    return CutCapture(cut=cg, whole=whole, template=stitched.template)
+
+
+def _renamed(text: Any, parent: str, i: int, j: int) -> Any:
+    """``text`` (a module path) with layer ``i`` of the list at ``parent`` made layer ``j``."""
+    if not isinstance(text, str):
+        return text
+    old = f"{parent}.{i}" if parent else str(i)
+    new = f"{parent}.{j}" if parent else str(j)
+    return re.sub(r"(^|[^\w.])" + re.escape(old) + r"(?=\.|$|[^\w])", lambda m: m.group(1) + new, text)
 
 
 def _differ(why: str) -> None:
@@ -376,11 +427,7 @@ def repeat_layers(graph: ComputeGraph, *, parent: str, count: int) -> ComputeGra
     copies = list(range(3, last))  # layer 2 is the first copy of itself
 
     def rename(text: Any, i: int, j: int) -> Any:
-        if not isinstance(text, str):
-            return text
-        old = f"{parent}.{i}" if parent else str(i)
-        new = f"{parent}.{j}" if parent else str(j)
-        return re.sub(r"(^|[^\w.])" + re.escape(old) + r"(?=\.|$|[^\w])", lambda m: m.group(1) + new, text)
+        return _renamed(text, parent, i, j)
 
     def at(j: int, v: Hashable) -> Hashable:
         """The node of middle layer ``j`` that is ``v`` (a node of layer 2) there."""
@@ -451,3 +498,278 @@ def repeat_layers(graph: ComputeGraph, *, parent: str, count: int) -> ComputeGra
     g.meta["repeated"] = {"layers": count, "template": f"{parent}.2" if parent else "2", "captured": _KEPT}
     log.info("repeat_layers: %d layers from %d captured (%d nodes)", count, _KEPT, len(g))
     return g.validate()
+
+
+@dataclass
+class Stitched:
+    """How a joint graph written from a cut capture runs (:func:`stitch_joint`).
+
+    Attributes
+    ----------
+    params_spec, buffers_spec : list of str
+        The parameters and buffers its inputs are, in order (names as the export's:
+        ``"gm."`` and the model's own name).
+    num_fwd_outputs : int
+        How many of its outputs the forward returns (the rest are gradients).
+    template : dict
+        Each node of the written graph -> the node of the cut capture's it copies.
+    """
+
+    params_spec: list
+    buffers_spec: list
+    num_fwd_outputs: int
+    template: dict
+
+
+def _fx_members(cut: ComputeGraph, parent: str) -> dict:
+    """fx node of the cut capture's joint -> captured layer, by :func:`_member`; a
+    multi-output op (folded into its projections in the DAG) by its projections."""
+    by_name = _member(cut, parent)
+    member = {}
+    for n in cut.fx.graph.nodes:
+        if n.name in by_name:
+            member[n] = by_name[n.name]
+    for n in cut.fx.graph.nodes:
+        if n not in member and n.op == "call_function" and n.users:
+            layers = {member.get(u) for u in n.users}
+            if len(layers) == 1 and None not in layers:
+                member[n] = layers.pop()
+    return member
+
+
+def stitch_joint(cut: ComputeGraph, model: torch.nn.Module, *, parent: str, count: int) -> tuple | None:
+    """The joint graph of ``model``'s training step (``count`` layers) written from the
+    joint graph of its capture cut to four layers (layers 0, 1, 2 and the last).
+
+    Layer 2's forward ops are copied after it as layers ``3 .. count-2``, and its
+    backward ops before it, in reverse; each copy reads its own parameters (new inputs,
+    in the model's parameter order), the layer before it as layer 2 reads layer 1, and
+    the layer after it as layer 1 reads layer 2; the last layer reads the last copy.
+    The copies' gradients join the outputs after layer 2's. Every op of layer 2 is
+    checked against its counterpart in layer 1 (the same op, the same constants, its
+    inputs in the same places), and the parameters of the result against ``model``'s.
+
+    Parameters
+    ----------
+    cut : ComputeGraph
+        The capture of the model cut to four layers (:func:`capture_cut`), with
+        ``backward="outputs"``.
+    model : torch.nn.Module
+        The whole model (its parameter names are checked against the result's inputs).
+    parent : str
+        Module path of the layer list.
+    count : int
+        Layers of the whole model.
+
+    Returns
+    -------
+    (torch.fx.GraphModule, Stitched) or None
+        None where the layers are not written this way (the check fails, or the cut
+        joint needs AOTAutograd's runtime: mutated inputs, aliased outputs).
+
+    Examples
+    --------
+    >>> from graphs.capture import capture
+    >>> net = torch.nn.Sequential(*[torch.nn.Linear(8, 8) for _ in range(6)])
+    >>> cc = capture_cut(net, (torch.randn(2, 8),), blocks=[str(i) for i in range(6)], capture=capture,
+    ...                  backward="outputs", measure_time=False)
+    >>> gm, how = stitch_joint(cc.cut, net, parent="", count=6)
+    >>> len(how.params_spec), how.num_fwd_outputs
+    (12, 1)
+    """
+    from torch.fx.node import map_aggregate
+
+    from graphs.rewrite import is_tangent
+    from graphs.torch_internals import (joint_is_plain, lazy_graph_module, renamed_input, tree_flatten,
+                                         tree_unflatten)
+
+    info = cut.capture_info
+    if cut.fx is None or info is None or not joint_is_plain(info.joint):
+        return _differ("the cut capture's joint graph needs AOTAutograd's runtime")
+    gm = cut.fx
+    nodes = list(gm.graph.nodes)
+    member = _fx_members(cut, parent)
+    # the export's names of parameters: "gm." (the step's attribute) and the model's own
+    prefix = info.joint.params_spec[0].split(".")[0] + "." if info.joint.params_spec else ""
+    one = [n for n in nodes if member.get(n) == 1]
+    two = [n for n in nodes if member.get(n) == 2]
+    if len(one) != len(two) or not two:
+        return _differ("layers 1 and 2 differ in their graph nodes")
+    phi = dict(zip(one, two))
+    inv = {b: a for a, b in phi.items()}
+    last = count - 1
+    copies = list(range(3, last))
+
+    def rename(text: Any, i: int, j: int) -> Any:
+        return _renamed(text, parent, i, j)
+
+    def same_constant(x: Any, y: Any) -> bool:
+        try:
+            return type(x) is type(y) and bool(x == y)
+        except Exception:  # tensors and the like: not constants of an op here
+            return x is y
+
+    # the role of every input of every layer-2 node, read off its layer-1 counterpart
+    roles: dict[torch.fx.Node, list] = {}
+    for b in two:
+        a = inv[b]
+        if a.op != b.op or (a.op != "placeholder" and a.target != b.target):
+            return _differ(f"layers 1 and 2 run different ops ({a.name}, {b.name})")
+        la, sa = tree_flatten((a.args, a.kwargs))
+        lb, sb = tree_flatten((b.args, b.kwargs))
+        if sa != sb or len(la) != len(lb):
+            return _differ(f"layers 1 and 2 call {b.name} differently")
+        got = []
+        for x1, x2 in zip(la, lb):
+            if not isinstance(x2, torch.fx.Node):
+                if isinstance(x1, torch.fx.Node) or not same_constant(x1, x2):
+                    return _differ(f"layers 1 and 2 call {b.name} with other constants")
+                got.append(("const", x2))
+                continue
+            if not isinstance(x1, torch.fx.Node):
+                return _differ(f"layers 1 and 2 call {b.name} differently")
+            m1, m2 = member.get(x1), member.get(x2)
+            if m2 == 2 and m1 == 1 and phi.get(x1) is x2:
+                got.append(("same", x2))
+            elif m2 == 1 and m1 == 0:
+                got.append(("prev", phi[x2]))
+            elif m2 == 3 and m1 == 2:
+                got.append(("next", x1, x2))
+            elif m2 is None and x1 is x2:
+                got.append(("shared", x2))
+            else:
+                return _differ(f"layer 2's {b.name} reads {x2.name} where layer 1's reads {x1.name}")
+        roles[b] = (got, sb)
+    # outside layer 2, only layer 1 (its backward), layer 3 (the last) and the outputs read it
+    out_node = nodes[-1]
+    for n in nodes:
+        if n in roles or n is out_node:
+            continue
+        if any(member.get(x) == 2 for x in n.all_input_nodes) and member.get(n) not in (1, 3):
+            return _differ(f"{n.name}, outside the layers, reads layer 2")
+
+    graph = torch.fx.Graph()
+    env: dict = {}  # cut node -> its node in the written graph (layer 2 is copy 2 of itself)
+    copy_env: dict[int, dict] = {j: {} for j in copies}
+    template: dict[str, str] = {}
+
+    def at(j: int, x: torch.fx.Node) -> torch.fx.Node:
+        return env[x] if j == 2 else copy_env[j][x]
+
+    def resolve(role: tuple, j: int) -> Any:
+        kind = role[0]
+        if kind == "const":
+            return role[1]
+        if kind == "shared":
+            return env[role[1]]
+        if kind == "same":
+            return at(j, role[1])
+        if kind == "prev":
+            return at(j - 1, role[1])
+        # next: layer 2 reads the last layer; every other copy reads the copy after it
+        return env[role[2]] if j + 1 == last else at(j + 1, role[1])
+
+    def meta_of(b: torch.fx.Node, i: int, j: int) -> dict:
+        """``b``'s metadata, its module paths (and parameter's name) of layer ``i`` made layer ``j``'s."""
+        meta = dict(b.meta)
+        for key in ("nn_module_stack", "fwd_nn_module_stack"):
+            if isinstance(meta.get(key), dict):
+                meta[key] = {k: tuple(rename(x, i, j) for x in v) if isinstance(v, tuple) else rename(v, i, j)
+                             for k, v in meta[key].items()}
+        target = getattr(meta.get("desc"), "target", None)
+        if b.op == "placeholder" and isinstance(target, str):
+            head, dot, rest = target.partition(".") if target.startswith(prefix) else ("", "", target)
+            meta["desc"] = renamed_input(meta["desc"], head + dot + rename(rest, i, j))
+        return meta
+
+    def emit_copy(b: torch.fx.Node, j: int) -> None:
+        got, spec = roles[b]
+        args, kwargs = tree_unflatten([resolve(r, j) for r in got], spec)
+        new = graph.create_node(b.op, b.target, args, kwargs, name=f"{b.name}_l{j}")
+        new.meta = meta_of(b, 2, j)
+        if b.op == "placeholder":  # an input of its own, named as its node
+            new.target = new.name
+        copy_env[j][b] = new
+        template[new.name] = b.name
+
+    def emit(n: torch.fx.Node) -> None:
+        def arg(x: torch.fx.Node) -> torch.fx.Node:
+            if copies and member.get(n) == 3 and member.get(x) == 2:
+                return copy_env[last - 1][x]  # the last layer reads the last copy
+            return env[x]
+        if copies and n in roles:  # layer 2 reads the first copy where it read the last layer
+            got, spec = roles[n]
+            leaves = tree_flatten((n.args, n.kwargs))[0]
+            args, kwargs = tree_unflatten([at(3, r[1]) if r[0] == "next" else env[x] if isinstance(x, torch.fx.Node)
+                                           else x for r, x in zip(got, leaves)], spec)
+            new = graph.create_node(n.op, n.target, args, kwargs, name=n.name)
+        else:
+            new = graph.node_copy(n, arg)
+        new.meta = meta_of(n, 3, last) if member.get(n) == 3 else dict(n.meta)
+        env[n] = new
+        template[new.name] = n.name
+
+    def is_backward(n: torch.fx.Node) -> bool:
+        return n.meta.get("partitioner_tag") == "is_backward"
+
+    kinds = {}
+    for b in two:
+        if b.op == "placeholder":
+            kinds.setdefault(type(b.meta.get("desc")).__name__, []).append(b)
+    after = {group[-1]: group for group in kinds.values()}
+    fwd2 = [b for b in two if b.op != "placeholder" and not is_backward(b)]
+    bwd2 = [b for b in two if b.op != "placeholder" and is_backward(b)]
+    first_bwd = bwd2[0] if bwd2 else None
+    last_fwd = fwd2[-1] if fwd2 else None
+    try:
+        for n in nodes:
+            if n is out_node:
+                break
+            if n is first_bwd:
+                for j in reversed(copies):
+                    for b in bwd2:
+                        emit_copy(b, j)
+            emit(n)
+            if n in after:
+                for j in copies:
+                    for b in after[n]:
+                        emit_copy(b, j)
+            if n is last_fwd:
+                for j in copies:
+                    for b in fwd2:
+                        emit_copy(b, j)
+    except KeyError as exc:  # a copy read a node not written yet: the layers do not run in turn
+        return _differ(f"a layer reads a value that is written after it ({exc})")
+    # outputs: the forward's, then a gradient per input, the copies' after layer 2's
+    placeholders = [n for n in nodes if n.op == "placeholder" and not is_tangent(n)]
+    outputs = list(out_node.args[0])
+    n_fwd = len(outputs) - len(placeholders)
+    grad_of = dict(zip(placeholders, outputs[n_fwd:]))
+    new_outputs = [map_aggregate(o, lambda x: env[x] if isinstance(x, torch.fx.Node) else x) for o in outputs[:n_fwd]]
+    written = [n for n in graph.nodes if n.op == "placeholder" and not is_tangent(n)]
+    source = {v: k for k, v in env.items() if k.op == "placeholder"}
+    for j in copies:
+        source.update({v: (k, j) for k, v in copy_env[j].items() if k.op == "placeholder"})
+    for p in written:
+        src = source[p]
+        if isinstance(src, tuple):
+            g = grad_of[src[0]]
+            if g is not None and member.get(g) != 2:
+                return _differ(f"the gradient of {src[0].name} is not made in its layer")
+            new_outputs.append(None if g is None else copy_env[src[1]][g])
+        else:
+            g = grad_of[src]
+            new_outputs.append(None if g is None else env[g])
+    graph.output(tuple(new_outputs))
+    written_gm = lazy_graph_module(gm, graph)  # its code is generated only if it is run or read
+    written_gm.meta.update(gm.meta)
+    # the inputs must be the model's parameters and buffers, in the model's order
+    targets = [getattr(p.meta.get("desc"), "target", None) for p in written]
+    kind = [type(p.meta.get("desc")).__name__ for p in written]
+    params = [t for t, k in zip(targets, kind) if k == "ParamAOTInput"]
+    buffers = [t for t, k in zip(targets, kind) if k == "BufferAOTInput"]
+    want_params = [prefix + n for n, _ in model.named_parameters(remove_duplicate=False)]  # tied ones too
+    want_buffers = [prefix + n for n, _ in model.named_buffers(remove_duplicate=False)]
+    if params != want_params or buffers != want_buffers:
+        return _differ("the written graph's inputs are not the model's parameters in order")
+    return written_gm, Stitched(params_spec=params, buffers_spec=buffers, num_fwd_outputs=n_fwd, template=template)

@@ -46,7 +46,8 @@ __all__ = [
     # fake tensors
     "FakeTensorMode", "is_fake", "detect_fake_mode", "fake_value",
     # AOTAutograd
-    "aot_export_joint", "aot_compile_joint", "boxed_codegen",
+    "aot_export_joint", "aot_compile_joint", "boxed_codegen", "joint_is_plain", "renamed_input",
+    "clear_saved_tensors",
     # inductor
     "inductor_compile", "inductor_decompositions", "functorch_config",
     # storages and DTensor
@@ -238,6 +239,36 @@ def aot_compile_joint(joint: Any, *, partition_fn: Callable, fw_compiler: Callab
     return aot_compile_joint_with_descriptors(dataclasses.replace(joint, _aot_state=state),
                                               partition_fn=partition_fn,
                                               fw_compiler=fw_compiler, bw_compiler=bw_compiler)
+
+
+def joint_is_plain(joint: Any) -> bool:
+    """Whether an exported joint graph runs as plain forward and backward graphs: no
+    input is mutated, no output aliases an input or another output, every output has a
+    gradient input (tangent), and no effect tokens or tensor subclasses are threaded
+    through it. Such a joint needs none of AOTAutograd's runtime wrappers."""
+    try:
+        meta = joint._aot_state.fw_metadata
+        outputs = list(meta.output_info)
+        return (not any(i.mutates_data or i.mutates_metadata for i in meta.input_info)
+                and all(o.output_type.name == "non_alias" for o in outputs)
+                and meta.num_intermediate_bases == 0
+                and len(meta.traced_tangents) == len(outputs)
+                and not meta.tokens
+                and all(isinstance(m, int) or type(m).__name__ == "PlainTensorMeta"
+                        for m in meta.subclass_inp_meta or ()))
+    except AttributeError:  # another torch's layout: take it as not plain
+        return False
+
+
+def renamed_input(desc: Any, target: str) -> Any:
+    """A joint graph's parameter or buffer input descriptor naming ``target`` instead."""
+    return dataclasses.replace(desc, target=target)
+
+
+def clear_saved_tensors(ctx: Any) -> None:
+    """Drop an autograd function's saved tensors now (its backward holds them in a list
+    that the backward graph clears as it goes), as AOTAutograd's runtime does."""
+    ctx.maybe_clear_saved_tensors()
 
 
 @contextlib.contextmanager

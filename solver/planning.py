@@ -156,7 +156,10 @@ def _plan_step(model: nn.Module, args: tuple, kwargs: dict, *, request: Request,
 def capture_step(model: nn.Module, args: tuple, kwargs: dict, *, request: Request) -> Captured:
     """The captured step with its fixed charges, and the budget in step bytes. On real
     tensors nothing runs yet: times and workspaces are measured by
-    :func:`measure_within`, in a schedule that fits."""
+    :func:`measure_within`, in a schedule that fits. A model of more than five alike
+    layers is captured on four of them (:func:`graphs.repeated.capture_cut`): in module
+    mode for the DAG, in graph mode (eager, one process) for the joint graph too, which
+    the step then runs."""
     t0 = time.perf_counter()
     options = dict(example_kwargs=kwargs, backward="outputs", measure_time=False, measure_workspace=False,
                    inplace="functional" if request.mode == "graph" else "alias")
@@ -164,6 +167,10 @@ def capture_step(model: nn.Module, args: tuple, kwargs: dict, *, request: Reques
     if request.mode == "module" and request.dp is None:
         # a layer plan is priced on the DAG alone: alike middle layers are captured once
         cut = capture_cut(model, args, blocks=request.blocks or layer_blocks(model), capture=capture, **options)
+    elif request.dp is None and request.compiler == "eager":
+        # graph mode runs the joint graph written from a capture of four alike layers
+        cut = capture_cut(model, args, blocks=request.blocks or layer_blocks(model), capture=capture,
+                          runnable=True, **options)
     try:
         cg = cut.whole if cut is not None else capture(model, args, **options)
     except CaptureError as exc:
@@ -199,7 +206,7 @@ def measure_within(cap: Captured, *, request: Request, held_back: int = 0) -> Ca
     that the schedule runs again, or one like an op timed before, is timed once:
     :func:`graphs.costs.time_ops`). The returned capture carries the
     measured figures and the runs' peak. A DAG written from a capture of four alike
-    layers (module mode, :func:`graphs.repeated.capture_cut`) is measured on that
+    layers (:func:`graphs.repeated.capture_cut`) is measured on that
     capture, every copy of a layer taking its template's figures, and the runs' peak
     counts the parameters of the layers not captured as resident beside it.
     ``held_back``: bytes of the budget a replan keeps back. Fake or meta tensors: as
@@ -285,7 +292,8 @@ def planning_note(report: Report, cap: Captured, session: Session) -> None:
     """Say in the report when op workspaces are estimates, and when planning's own runs
     peaked over the budget, by the allocator, and which."""
     if cap.cut is not None:
-        report.notes.append(f"{repeated_note(cap.graph)}; op times and workspaces measured on those layers")
+        written = "; the step's joint graph written from them" if cap.cut.template is not None else ""
+        report.notes.append(f"{repeated_note(cap.graph)}; op times and workspaces measured on those layers{written}")
     if cap.graph.meta.get("workspace_source") == "estimated":
         report.notes.append("op workspaces are estimated per op family (fake or meta inputs; "
                             "graphs.costs.WORKSPACE_ESTIMATES): plan on a real batch to measure them")
@@ -307,11 +315,13 @@ def gradient_reference(model: nn.Module, cap: Captured) -> tuple[Callable | None
     The model's own forward with every layer block checkpointed
     (:func:`solver.checks.reference_step`) gives eager's gradients; where it is
     predicted over the budget, the captured step run in the schedule that measured it
-    (its lowest-peak run) is the reference, and the loss is checked against the
-    model's own forward without autograd."""
+    (its lowest-peak run; for a graph written from four alike layers, which were
+    measured, the whole graph's lowest-peak schedule) is the reference, and the loss
+    is checked against the model's own forward without autograd."""
     from solver.module_plan import BlockIndex, checkpoint_view, plan_schedule
 
-    if cap.measured_with is None:  # no measured schedule to check against: the checkpointed model
+    written = cap.cut is not None and cap.cut.template is not None  # the whole step's graph runs
+    if cap.measured_with is None and not written:  # nothing to check against but the checkpointed model
         return None, None
     cg = cap.graph
     blocks = layer_blocks(model)
@@ -325,7 +335,9 @@ def gradient_reference(model: nn.Module, cap: Captured) -> tuple[Callable | None
         need = cap.store_all
     if need <= cap.budget:
         return None, None
-    step = ScheduledStep(cg, list(cap.measured_with))
+    # (a graph written from four layers was measured on them: its lowest-peak schedule)
+    sequence = cap.measured_with if cap.measured_with is not None else lowest_peak_sequence(cg, target=cap.budget)
+    step = ScheduledStep(cg, list(sequence))
     return step, (f"the gradient check compared the plan with the captured step run at its measured schedule's "
                   f"peak, and the loss with the model's own forward: the model with its blocks checkpointed "
                   f"needs {format_bytes(need)}, over the budget")

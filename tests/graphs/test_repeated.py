@@ -9,7 +9,7 @@ import torch
 from torch import nn
 
 from graphs.capture import capture
-from graphs.compute_graph import BACKWARD_START
+from graphs.compute_graph import BACKWARD_START, ComputeGraph
 from graphs.module_mode import layer_blocks
 from graphs.repeated import capture_repeated, repeated_layers
 from solver.simulate import simulate
@@ -164,3 +164,123 @@ def test_figures_measured_on_the_cut_capture_reach_every_copy():
         template = cc.cut[v if v in cc.cut.nx else v.rpartition("@")[0]]
         assert cc.whole[v]["time"] == template["time"] and cc.whole[v]["workspace"] == template["workspace"]
     assert sum(before[v] != cc.whole[v]["time"] for v in cc.whole.ops) > len(cc.whole.ops) // 2  # they changed
+
+
+# ---- graph mode: the whole step's joint graph written from the cut capture's
+
+_RUN = dict(backward="outputs", inplace="functional", measure_time=False, measure_workspace=False)
+
+
+@pytest.fixture(scope="module", params=["hf_llama", "gpt"])
+def written(request):
+    """A real model of six alike layers (a Llama; a GPT with dropout in every layer): its
+    joint graph written from four layers, and captured whole."""
+    from examples.models import gpt, hf_llama
+    from graphs.repeated import capture_cut
+
+    if request.param == "gpt":
+        model, (idx, targets) = gpt(n_layer=LAYERS, d=32, n_head=4, seq=16, batch=2, vocab=64)
+        args, kwargs = (idx, targets), {}
+    else:
+        model, kwargs = hf_llama(n_layer=LAYERS, d=32, n_head=2, seq=16, batch=2, vocab=64)
+        args = ()
+    cc = capture_cut(model, args, blocks=layer_blocks(model), capture=capture, example_kwargs=kwargs, runnable=True,
+                     **_RUN)
+    return model, args, kwargs, cc, capture(model, args, example_kwargs=kwargs, **_RUN)
+
+
+def test_the_written_joint_graph_computes_what_the_whole_capture_does(written):
+    from graphs.capture import real_placeholder_values
+    from graphs.rewrite import is_tangent
+    from graphs.torch_internals import tree_leaves
+
+    model, args, kwargs, cc, whole = written
+    assert cc is not None and cc.whole.capture_info.stitched is not None
+    ops = [[n.target for n in g.graph.nodes if n.op == "call_function"] for g in (cc.whole.fx, whole.fx)]
+    assert ops[0] == ops[1]
+    g = cc.whole
+    assert (len(g), len(g.ops), g.nx.number_of_edges()) == (len(whole), len(whole.ops), whole.nx.number_of_edges())
+    assert simulate(g, g.order).peak_bytes == simulate(whole, whole.order).peak_bytes
+    assert (g.fixed_bytes, g.grad_bytes, g.saved_bytes()) == (whole.fixed_bytes, whole.grad_bytes, whole.saved_bytes())
+    # the random ops that must keep their order: every layer's, not the four captured ones'
+    assert [g[v]["op"] for v in g.meta["ordered"]] == [whole[v]["op"] for v in whole.meta["ordered"]]
+    assert {g[v]["module"] for v in g.ops if g[v].get("module")} == {whole[v]["module"] for v in whole.ops
+                                                                        if whole[v].get("module")}
+    # the same values and gradients, run on the same inputs
+    placeholders = [n for n in whole.fx.graph.nodes if n.op == "placeholder"]
+    values = real_placeholder_values(placeholders, whole.capture_info.step, whole.capture_info.flat_inputs)
+    def run(m):
+        torch.manual_seed(0)
+        return tree_leaves(torch.fx.Interpreter(m).run(*values))
+
+    got, want = run(g.fx), run(whole.fx)
+    primals = [n for n in placeholders if not is_tangent(n)]  # parameters, buffers, inputs: a gradient each
+    assert len(got) == len(want) == g.capture_info.stitched.num_fwd_outputs + len(primals)
+    for a, b in zip(got, want):
+        assert (a is None and b is None) or torch.equal(a, b)
+
+
+def test_a_written_step_that_recomputes_gives_the_models_gradients_bitwise(written):
+    from graphs.capture import default_loss
+    from graphs.graph_mode import ScheduledStep
+    from graphs.rewrite import replay_random_ops
+    from solver import solve
+    from solver.methods.minpeak import smallest_feasible_peak
+
+    model, args, kwargs, cc, _ = written
+    g = cc.whole
+    replay_random_ops(g)
+    low = smallest_feasible_peak(g, time_limit=10)[0]
+    schedule = solve(g, (low + simulate(g, g.order).peak_bytes) // 2, method="auto", time_limit=10)
+    assert len(schedule.sequence) > len(g.order)  # it recomputes
+
+    def step(fn):
+        model.zero_grad(set_to_none=True)
+        torch.manual_seed(0)  # dropout draws alike
+        loss = default_loss(fn())
+        loss.backward()
+        return loss.detach(), [p.grad.clone() for p in model.parameters()]
+
+    scheduled = ScheduledStep(g, schedule.sequence)
+    (l0, g0), (l1, g1) = step(lambda: model(*args, **kwargs)), step(lambda: scheduled(model, args, kwargs))
+    assert torch.equal(l0, l1) and all(torch.equal(a, b) for a, b in zip(g0, g1))
+
+
+def test_a_joint_graph_run_without_aotautograds_runtime_peaks_as_it_does():
+    """The written graph's forward and backward run in an autograd function of their
+    own; on a whole capture it peaks, by the allocator, as AOTAutograd's runtime does
+    (an output the loss does not read gets zeros only the backward graph holds)."""
+    import dataclasses
+
+    from examples.models import hf_llama
+    from graphs.graph_mode import ScheduledStep
+    from graphs.repeated import Stitched
+    from graphs.rewrite import is_tangent, replay_random_ops
+    from solver import solve
+    from solver.checks import measured_peak
+
+    model, batch = hf_llama(n_layer=2, d=64, n_head=4, seq=128, batch=4, vocab=256)
+    cg = capture(model, (), example_kwargs=batch, **_RUN)
+    replay_random_ops(cg)
+    jd = cg.capture_info.joint
+    primals = [n for n in cg.fx.graph.nodes if n.op == "placeholder" and not is_tangent(n)]
+    n_fwd = len(next(n for n in cg.fx.graph.nodes if n.op == "output").args[0]) - len(primals)
+    plain = ComputeGraph(cg.nx, name=cg.name, meta=dict(cg.meta))
+    plain.order, plain.fx = cg.order, cg.fx
+    plain.capture_info = dataclasses.replace(cg.capture_info, stitched=Stitched(
+        params_spec=list(jd.params_spec), buffers_spec=list(jd.buffers_spec), num_fwd_outputs=n_fwd, template={}))
+    half = solve(cg, simulate(cg, cg.order).peak_bytes // 2, method="auto", time_limit=10).sequence
+    for sequence in (cg.order, half):
+        peaks = [measured_peak(model, lambda s=ScheduledStep(g, sequence): s(model, (), batch), (), batch)
+                 for g in (cg, plain)]
+        assert peaks[0] is not None and peaks[0] == peaks[1]
+
+
+def test_a_joint_graph_that_mutates_buffers_is_not_written():
+    from graphs.repeated import stitch_joint
+    from graphs.torch_internals import joint_is_plain
+
+    net = nn.Sequential(nn.Linear(8, 8), nn.BatchNorm1d(8), nn.Tanh(), nn.Linear(8, 8), nn.BatchNorm1d(8))
+    cg = capture(net, (torch.randn(4, 8),), **_RUN)
+    assert not joint_is_plain(cg.capture_info.joint)  # BatchNorm writes its running statistics
+    assert stitch_joint(cg, net, parent="", count=6) is None

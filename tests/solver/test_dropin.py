@@ -93,6 +93,9 @@ ZOO = {
     "gpt": lambda: models.gpt(n_layer=3, d=64, seq=64, batch=8),
     "hf_llama": lambda: models.hf_llama(n_layer=2, d=64, seq=64, batch=4),
     "encoder": _encoder,
+    # six alike layers: graph mode captures four and writes the step's graph from them
+    "gpt6": lambda: models.gpt(n_layer=6, d=64, seq=64, batch=8),
+    "hf_gpt2_6": lambda: models.hf_gpt2(n_layer=6, d=64, seq=32, batch=4),
 }
 
 
@@ -138,6 +141,14 @@ def test_planned_and_trained_under_autocast():
 def test_torch_encoder_layers_with_dropout_match_eager_bitwise(mode):
     # at 0.7 of store-all too in test_a_model_in_eval_at_optimize_time_is_planned_for_training
     _check("encoder", 0.5, mode, amp_at_optimize=False, amp_in_training=False)
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("name", ["gpt6", "hf_gpt2_6"])
+def test_a_step_written_from_four_alike_layers_matches_eager_bitwise(name):
+    # dropout in every layer: the copies of a layer draw, and redraw, what eager draws
+    fast = _check(name, 0.5, "graph", amp_at_optimize=False, amp_in_training=False)
+    assert any(note.startswith("captured 4 of the 6 layers") for note in fast.report.notes), fast.report.notes
 
 
 def test_capture_records_the_autocast_state():
