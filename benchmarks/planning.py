@@ -5,9 +5,10 @@ vocab 256, random weights, built from the config) with 4, 8, 16 and 32 layers, e
 fresh process with ``torch.set_num_threads(1)``: ``solver.optimize(model, budget,
 batch, mode=mode)`` at half the store-all peak of its captured step (a fixed fraction: a
 budget from the timed lowest-peak search would move with the machine's load), in graph
-mode (the default) and in module mode (a plan per layer; a model of more than five
-alike layers is captured and measured on four of them), timed in process CPU time and
-split into
+mode (the default) and in module mode (a plan per layer). In both modes a model of
+more than five alike layers is captured and measured on four of them; graph mode writes
+the whole step's joint graph from theirs (``graphs.repeated.stitch_joint``). Timed in
+process CPU time (the report's notes go to the JSON rows) and split into
 
 * capture: the training step traced and cost-annotated (``graphs.capture``, its
   fixed charges and the store-all simulation);
@@ -15,8 +16,8 @@ split into
   budget (``planning.measure_within``);
 * solve: the schedule searched (``solver.solve``; module mode: the per-layer search,
   ``solver.module_plan.plan_modules``);
-* check: the rest: the rewrite built (graph mode compiles the capture's joint export
-  for the schedule), its gradients checked against the model's, the peaks of real steps
+* check: the rest: the rewrite built (graph mode cuts the step's joint graph for the
+  schedule), its gradients checked against the model's, the peaks of real steps
   measured, the report (the second table splits it).
 
 The store-all peak that sets the budget comes from a capture in the same process
