@@ -256,7 +256,10 @@ class _Program:
         self.pairs = 0  # (s, t) entries filled so far
         L = len(model.stages)
         M = slots + 1
-        self.cost = np.full((L, L, 2, M + 1), np.inf)  # column 0: "below zero", always inf
+        # column 0: "below zero", always inf; each entry is written as it is filled (a table
+        # of a long chain is large, and filling it whole up front would spend the time limit
+        # before the first deadline check)
+        self.cost = np.empty((L, L, 2, M + 1))
         self.choice = np.zeros((L, L, 2, M + 1), dtype=np.int32)
         self._run()
 
@@ -311,6 +314,7 @@ class _Program:
                             better = v < best
                             best = np.where(better, v, best)
                             arg = np.where(better, 1 + 2 * j + k, arg)
+                    C[s, t, f, 0] = np.inf
                     C[s, t, f, 1:] = best
                     K[s, t, f, 1:] = arg
 
@@ -734,7 +738,8 @@ def chain_dp(
         Seconds. The persistent program (O(S^2) entries of O(S x slots) each) may take
         :data:`PROGRAM_SHARE` of the time left; when it runs out, the chain's
         neighbouring stages are merged into as many stages as a program at the rate
-        measured fills in that share of what is left, and it runs again
+        measured fills in that share of what is left (at least about sqrt(S)), and it
+        runs again
         (``info["merged"]``: stages per merged stage). The grading of its settings
         stops at the limit with the best that fits.
     slots : int, optional
@@ -817,6 +822,10 @@ def chain_dp(
             # (halved: the entries filled so far are the cheap ones of short spans)
             rate = max(1, exc.pairs) / max(1e-3, _time.perf_counter() - started)
             fit = int(math.sqrt(2 * rate * PROGRAM_SHARE * max(0.0, deadline.left()))) // 2
+            # never fewer than about sqrt(S) stages: a program over them takes milliseconds,
+            # while a chain of a few long stages may fit no budget at all (the rate measured
+            # on a loaded machine can be a tenth of the usual)
+            fit = max(fit, math.isqrt(len(stages)))
             if fit < 2 or deadline.expired():
                 raise NoScheduleFound(
                     f"chain_dp: its program over {L} stages did not finish before the time limit "
@@ -828,8 +837,11 @@ def chain_dp(
         break
     finite = np.flatnonzero(np.isfinite(row))
     if finite.size == 0:
+        merged = "" if chain is stages else (
+            f" ({len(chain)} stages merged from {len(stages)} to keep the time limit of "
+            f"{time_limit:g} s; a longer one merges less)")
         raise NoScheduleFound(
-            "chain_dp: no schedule of the chain family fits even with every slot; "
+            f"chain_dp: no schedule of the chain family{merged} fits even with every slot; "
             "use a general method such as 'eviction' or 'checkmate_milp'", best_peak=None)
     # try the top level at the budget, then cheaper settings above it (the model is
     # conservative), then lower limits until the simulated peak fits

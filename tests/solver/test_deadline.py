@@ -160,6 +160,30 @@ def test_chain_dp_merges_a_long_chain_into_what_its_time_limit_allows():
     assert r.cost < simulate(g, get_method("checkpoint_all").fn(g, budget)).cost
 
 
+def test_chain_dp_on_a_slow_machine_merges_into_no_fewer_than_sqrt_stages(monkeypatch):
+    # a loaded machine fills the program slowly: the rate measured once asked for 2-3
+    # merged stages of 400 layers, which fit no budget; sqrt(S) stages always answer fast
+    chain_module = importlib.import_module("solver.methods.chain")
+    real = chain_module._Program
+    calls = []
+
+    def slow_first(model, unit, slots, deadline=None):
+        calls.append(len(model.stages))
+        if len(calls) == 1:
+            time.sleep(0.5)
+            raise chain_module._Unfinished(1)  # one entry in half a second
+        return real(model, unit, slots, deadline=deadline)
+
+    monkeypatch.setattr(chain_module, "_Program", slow_first)
+    g = training_chain(400)
+    budget = int(0.3 * simulate(g, g.order).peak_bytes)
+    s = get_method("chain_dp").fn(g, budget, time_limit=3.0)
+    assert calls == [400, 20]
+    assert s.info["merged"] == 20
+    r = simulate(g, s)
+    assert r.valid and r.peak_bytes <= budget
+
+
 def test_hierarchical_keeps_its_time_limit_when_the_coarse_solve_finds_nothing(monkeypatch):
     # the coarse graph's fused workspaces are conservative: where its solve finds nothing
     # in its time, the original graph is solved in what is left, not in a second limit
