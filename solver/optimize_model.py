@@ -37,7 +37,7 @@ from graphs.units import GiB
 from solver.checks import Session, split_inputs
 from solver.data_parallel import data_parallel
 from solver.fixed import optimizer_state_bytes
-from solver.planning import Request, plan_step
+from solver.planning import PLANNING_GAP_TOLERANCE, Request, plan_step
 from solver.report import Report
 from solver.verification import SESSION, verify, verify_into
 from solver.watch import WATCH
@@ -52,6 +52,7 @@ def optimize(
     *,
     method: str = "auto",
     time_limit: float | None = None,
+    gap_tolerance: float | None = None,
     mode: str | None = None,
     activation_budget: bool = False,
     optimizer: torch.optim.Optimizer | None = None,
@@ -94,6 +95,13 @@ def optimize(
         A solver method (:func:`solver.methods`) or ``"auto"``; graph mode only.
     time_limit : float, optional
         Seconds for the solver.
+    gap_tolerance : float, optional
+        ``method="auto"``: it stops searching once its schedule is proven within this
+        share of the least extra compute (``report.gap``). Default
+        :data:`solver.planning.PLANNING_GAP_TOLERANCE` (2 %), twice
+        :func:`solver.solve`'s 1 %: a plan's extra compute is predicted from op timings
+        whose error is larger than that (see the constant); 0 searches until it is
+        proven optimal or the search is spent.
     mode : {None, "graph", "module"}
         ``"graph"``: tensor level, exact (the forward keeps exactly the stored tensors,
         backward recomputes the rest). ``"module"``: layer level, wrapping the model's
@@ -214,8 +222,8 @@ def optimize(
     pinned = mode is not None  # None: graph mode, falling back to module mode
     mode = "graph" if mode is None else mode
 
-    request = _request(model, budget_gb, mode=mode, method=method, time_limit=time_limit, compiler=compiler,
-                       activation_budget=activation_budget, optimizer=optimizer, self_check=self_check,
+    request = _request(model, budget_gb, mode=mode, method=method, time_limit=time_limit,
+                       gap_tolerance=gap_tolerance, compiler=compiler, activation_budget=activation_budget, optimizer=optimizer, self_check=self_check,
                        blocks=blocks, measure_time=measure_time, world_size=world_size, mesh=mesh,
                        sharding=sharding, sharding_options=sharding_options, planned_now=example_inputs is not None,
                        loss_fn=loss_fn, watch=watch)
@@ -260,6 +268,7 @@ def _check_model(model: nn.Module) -> None:
 
 
 def _request(model: nn.Module, budget_gb: float, *, mode: str, method: str, time_limit: float | None,
+             gap_tolerance: float | None,
              compiler: str, activation_budget: bool, optimizer: torch.optim.Optimizer | None, self_check: bool,
              blocks: list[str] | None, measure_time: bool | None, world_size: int | None, mesh: Any,
              sharding: str | None, sharding_options: dict | None, planned_now: bool,
@@ -271,6 +280,8 @@ def _request(model: nn.Module, budget_gb: float, *, mode: str, method: str, time
         raise ValueError(f"watch must be one of {WATCH}, got {watch!r}")
     if mode not in ("graph", "module"):
         raise ValueError(f"mode must be 'graph' or 'module', got {mode!r}")
+    if gap_tolerance is not None and not (isinstance(gap_tolerance, (int, float)) and 0 <= gap_tolerance < 1):
+        raise ValueError(f"gap_tolerance must be a fraction of the extra compute in [0, 1), got {gap_tolerance!r}")
     if compiler not in COMPILERS:
         raise ValueError(f"compiler must be one of {COMPILERS}, got {compiler!r}")
     if compiler != "eager" and (mode != "graph" or sharding is not None):
@@ -297,5 +308,6 @@ def _request(model: nn.Module, budget_gb: float, *, mode: str, method: str, time
         dp.optimizer_bytes = opt_bytes
     return Request(mode=mode, budget=int(budget_bytes), activation_budget=activation_budget, method=method,
                    time_limit=time_limit, compiler=compiler, self_check=self_check, blocks=blocks,
+                   gap_tolerance=PLANNING_GAP_TOLERANCE if gap_tolerance is None else float(gap_tolerance),
                    measure_time=measure_time, optimizer_bytes=opt_bytes, dp=dp, loss_fn=loss_fn,
                    watch=watch)

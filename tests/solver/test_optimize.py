@@ -154,6 +154,32 @@ def test_recomputation_really_happens_below_store_all():
     assert fast.report.predicted_peak_bytes <= budget < store_all
 
 
+def test_auto_plans_with_the_planning_gap_tolerance_or_the_one_given(monkeypatch):
+    import solver.planning as planning
+
+    seen = []
+    real = planning.solve
+
+    def spy(graph, budget_bytes, *, method="auto", **options):
+        seen.append((method, options.get("gap_tolerance", "none given")))
+        return real(graph, budget_bytes, method=method, **options)
+
+    monkeypatch.setattr(planning, "solve", spy)
+    model, inputs = ZOO["gpt"]()
+    store_all, low = _peaks_of("gpt")
+    budget = (store_all + low) // 2 / GiB
+    solver.optimize(model, budget, inputs, measure_time=False)
+    assert ("auto", planning.PLANNING_GAP_TOLERANCE) in seen
+    seen.clear()
+    solver.optimize(model, budget, inputs, measure_time=False, gap_tolerance=0)
+    assert ("auto", 0) in seen
+    seen.clear()
+    solver.optimize(model, budget, inputs, measure_time=False, method="eviction")
+    assert seen and all(tol == "none given" for _, tol in seen)  # only auto takes one
+    with pytest.raises(ValueError, match="gap_tolerance"):
+        solver.optimize(model, budget, inputs, gap_tolerance=1.5)
+
+
 def test_infeasible_budget_names_the_smallest_and_leaves_model_untouched():
     model, inputs = ZOO["mlp"]()
     forward = model.forward
