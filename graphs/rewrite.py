@@ -171,7 +171,9 @@ def replay_random_ops(graph) -> int:
     """
     if random_replay(graph) is not None:
         return 0
-    random = [v for v in graph.meta.get("ordered", ()) if v in graph.nx and not graph[v]["recomputable"]]
+    # (a forward output stays as it is: the caller holds the forward's copy to the end)
+    random = [v for v in graph.meta.get("ordered", ()) if v in graph.nx and not graph[v]["recomputable"]
+              and not (graph[v]["output"] and graph[v]["phase"] == "forward")]
     for v in random:
         graph[v]["recomputable"] = True
     # CPU generator states live in the same (host) memory as the tensors; CUDA ones do not

@@ -92,6 +92,31 @@ def test_batchnorm_running_stats_are_outputs():
     assert len(out) > 1  # the loss and the new running statistics
 
 
+def test_forward_outputs_are_never_computed_again():
+    # the forward hands its outputs (HF's logits and loss) to the caller, who holds them
+    # until the step ends: a schedule that frees the logits after the loss and computes
+    # them again at the end was predicted 512 KiB below the allocator's peak of its step
+    from graphs.rewrite import replay_random_ops
+
+    model, batch = models.hf_llama(n_layer=2, d=32, n_head=2, seq=16, batch=2, vocab=64)
+    g = capture(model, batch, backward="outputs", measure_time=False)
+    outputs = [v for v in g.ops if g[v]["output"] and g[v]["phase"] == "forward"]
+    logits = max(outputs, key=lambda v: g[v]["bytes"])
+    assert g[logits]["bytes"] == 2 * 16 * 64 * 4
+    replay_random_ops(g)
+    assert not any(g[v]["recomputable"] for v in outputs)
+    r = simulate(g, list(g.order) + [logits])
+    assert not r.valid and "runs twice" in r.error
+    # so no method computes one again, even where the budget is tight
+    import solver
+    from solver.methods.minpeak import smallest_feasible_peak
+
+    budget = int(1.05 * smallest_feasible_peak(g, time_limit=30)[0])
+    for method in ("auto", "eviction", "lp_eviction", "stage_milp"):
+        seq = solver.solve(g, budget, method=method).sequence
+        assert all(seq.count(v) == 1 for v in outputs), method
+
+
 def test_measured_times_are_positive():
     model, inputs = models.mlp(depth=2)
     cg = capture(model, inputs, repeats=2)
