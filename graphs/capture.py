@@ -789,8 +789,8 @@ def _build(gm: torch.fx.GraphModule, storage: dict, *, name: str, shared: dict[s
     # copy made again later would not free that one (a schedule that freed the logits
     # after the loss and computed them again at the end was predicted 512 KiB below the
     # allocator's peak of its step), so none is made
-    for n in order:
-        if n in cg.nx and cg[n]["output"] and cg[n]["phase"] == "forward" and cg[n]["kind"] == "op":
+    for n in forward_outputs:
+        if n in cg.nx:
             cg[n]["recomputable"] = False
     cg.order = [n for n in order if n in cg.nx]
     # op workspaces: "measured" (real tensors: one profiled run of the graph) or

@@ -223,8 +223,8 @@ def optimize(
     mode = "graph" if mode is None else mode
 
     request = _request(model, budget_gb, mode=mode, method=method, time_limit=time_limit,
-                       gap_tolerance=gap_tolerance, compiler=compiler, activation_budget=activation_budget, optimizer=optimizer, self_check=self_check,
-                       blocks=blocks, measure_time=measure_time, world_size=world_size, mesh=mesh,
+                       gap_tolerance=gap_tolerance, compiler=compiler, activation_budget=activation_budget,
+                       optimizer=optimizer, self_check=self_check, blocks=blocks, measure_time=measure_time, world_size=world_size, mesh=mesh,
                        sharding=sharding, sharding_options=sharding_options, planned_now=example_inputs is not None,
                        loss_fn=loss_fn, watch=watch)
     request = dataclasses.replace(request, mode_pinned=pinned)

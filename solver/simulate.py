@@ -171,7 +171,8 @@ def simulate(
         if v in seen:
             recomputations += 1
             if not nodes[v].get("recomputable", True):
-                error = error or f"step {t}: {v!r} is not recomputable (a random op, or a forward output that the caller holds) but runs twice"
+                error = error or (f"step {t}: {v!r} is not recomputable (a random op, or a forward output "
+                                  "that the caller holds) but runs twice")
         seen.add(v)
         k = len(occ_start)
         occ_start.append(t)
