@@ -48,8 +48,12 @@ The recipe, cheapest first:
    :data:`BOUND_LIMITED_MAX_OPS` ops whose winner keeps the reference order with
    ``stage_milp``'s bound known, where the search below needs the time); then, when
    the winner keeps the reference order, the fixed-order lower bound of
-   :func:`solver.bounds.fixed_order_bound` (forced recomputation, an LP at each of
-   the steps most over the budget, then the 0/1 stage program at the best of them),
+   :func:`solver.bounds.fixed_order_bound` (forced recomputation; the 0/1 stage
+   program first where the best schedule so far comes closest to the budget
+   (:func:`solver.bounds.tight_boundaries`) and where ``stage_milp``'s next round would
+   put its boundaries, each where its LP beats the LP at the step most over the
+   budget; an LP at each of the steps most over the budget, then the 0/1 stage program
+   at the best of them),
    then, on small graphs, the MILP's bound. Each stops once its bound closes the gap
    to ``gap_tolerance``. While the stage bounds leave the gap open,
    :func:`solver.methods.lns.improve_sequence`, a large neighbourhood search over the
@@ -295,10 +299,13 @@ def solve_auto(graph: ComputeGraph, budget: int, *, time_limit: float | None = N
     found_at = [None]  # seconds until the winning schedule was found
     starts: list = []  # (cost, name, sequence) of every valid candidate in the reference order
     proven = [None]  # the best fixed-order bound an exact candidate proved, whoever wins
+    binding: list = []  # where stage_milp's programs found the budget binding (its boundaries)
 
     def consider(name: str, sched: Schedule | None, why: str) -> None:
         if sched is None:
             return
+        if name == "stage_milp":
+            binding[:] = sched.info.get("boundaries") or []
         r = simulate(graph, sched)
         reorders[name] = _reorders(ix, sched.sequence)
         if not r.valid or r.peak_bytes > budget:
@@ -368,7 +375,7 @@ def solve_auto(graph: ComputeGraph, budget: int, *, time_limit: float | None = N
         freedom; "milp", the fixed-order bound of :func:`solver.methods.milp.lower_bound`
         (the LP relaxation of the exact model on small graphs)."""
         if scope not in found:
-            from solver.bounds import fixed_order_bound, free_order_bound
+            from solver.bounds import fixed_order_bound, free_order_bound, tight_boundaries
             from solver.methods import milp
 
             close_at = enough()
@@ -379,9 +386,16 @@ def solve_auto(graph: ComputeGraph, budget: int, *, time_limit: float | None = N
                 except (SolverError, ValueError) as exc:
                     log.debug("no lower bound for %s: %s", graph.name, exc)
                     found[scope] = None
+            elif scope == "free":
+                found[scope] = free_order_bound(graph, budget, time_limit=seconds, enough=close_at)
             else:
-                fn = free_order_bound if scope == "free" else fixed_order_bound
-                found[scope] = fn(graph, budget, time_limit=seconds, enough=close_at)
+                # first where the best schedule so far, and stage_milp's programs, find
+                # the budget binding
+                given = [binding]
+                if best[0] is not None and not reorders.get(best[0].method, True) and not best[0].offloads:
+                    given.insert(0, tight_boundaries(graph, budget, best[0].sequence))
+                found[scope] = fixed_order_bound(graph, budget, time_limit=seconds, enough=close_at,
+                                                 boundaries=given)
         return found[scope]
 
     def stage_program() -> None:

@@ -273,7 +273,11 @@ def stage_milp(graph: ComputeGraph, budget_bytes: int, *, time_limit: float | No
         ``info["rounds"]`` says, per round, how many boundaries its program had, the
         bound it proved (None: nothing in its time, or a held round), the cost of its
         sequence where that fitted the budget as it was, its peak, the seconds of the
-        program and the simulation, and whether it was held.
+        program and the simulation, and whether it was held; ``info["boundaries"]``, the
+        boundaries of the last program, with those that the next round would add where
+        the rounds stopped over the budget (a fixed-order bound there is the one the
+        next round would prove: :func:`solver.bounds.fixed_order_bound`'s
+        ``boundaries``).
 
     Raises
     ------
@@ -391,11 +395,15 @@ def stage_milp(graph: ComputeGraph, budget_bytes: int, *, time_limit: float | No
             elif r.peak_bytes < closest:
                 closest = r.peak_bytes  # the closest to the budget so far: repaired, briefly
                 _repair_into(seq, share=REPAIR_SHARE)
+        # where the next round puts its boundaries (a caller's bound may use them too)
+        following = _next_marks(seq, r.memory_curve, marks, index, budget_bytes, one_per_run=holding,
+                                more=more) if not fits and r.valid else None
         if not fits and give_up_over is not None and (held is not None or holding):
             # a held plan still far over the budget, or a first plan so far over it
             # that the held rounds would not bring it near: the caller's other
             # searches get the time
             if r.peak_bytes > give_up_over * (1.0 if held is not None else FIRST_GIVE_UP) * budget_bytes:
+                marks = following or marks
                 break
         if (best is not None and _closed(best_cost, bound, base)) or (enough is not None and bound >= enough):
             break
@@ -407,44 +415,52 @@ def stage_milp(graph: ComputeGraph, budget_bytes: int, *, time_limit: float | No
         if fits or not r.valid:
             break  # the program's best fits: more boundaries cannot lower its cost
         held = _intervals(ops, index, solution) if holding else None
-        # the first computations at or after the steps over the budget become boundaries
-        seen: set = set()
-        first_at = []  # (position in seq, op index) of each first computation
-        for pos, v in enumerate(seq):
-            if v not in seen:
-                seen.add(v)
-                first_at.append((pos, index[v]))
-        new: dict = {}  # op index -> the most its step is over the budget
-        region: dict = {}  # run of steps over the budget -> its op most over it
-        j, run, over_before = 0, -1, False
-        for pos, mem in enumerate(r.memory_curve):
-            if mem <= budget_bytes:
-                over_before = False
-                continue
-            run += 0 if over_before else 1
-            over_before = True
-            while j < len(first_at) and first_at[j][0] < pos:
-                j += 1
-            if j < len(first_at):
-                t = first_at[j][1]
-                if t not in marks:
-                    new[t] = max(new.get(t, 0), int(mem) - int(budget_bytes))
-                    if run not in region or new[t] > new[region[run]]:
-                        region[run] = t
-        if not new:
+        if not following:
             break
-        # with held rounds, one boundary per run of steps over the budget (the worst
-        # runs first): the plan goes over in several places, and two boundaries in one
-        # place leave the others over for another round
-        pool = region.values() if holding else new
-        marks = sorted(set(marks) | set(sorted(pool, key=lambda t: -new[t])[:max(1, more)]))
+        marks = following
     if best is None:
         raise NoScheduleFound(f"stage_milp found no schedule of {graph.name or 'the graph'} within {budget_bytes} B "
                               f"in {limit:g} s ({len(history)} rounds); give a longer time_limit",
                               lower_bound=bound if bound > base else None)
     bound = min(bound, best_cost)
     return Schedule(sequence=list(best), method="stage_milp", lower_bound=bound,
-                    info={"order": "fixed", "optimal": _closed(best_cost, bound, base), "rounds": history})
+                    info={"order": "fixed", "optimal": _closed(best_cost, bound, base), "rounds": history,
+                          "boundaries": [ops[t] for t in marks]})
+
+
+def _next_marks(seq: list, memory_curve, marks: list, index: dict, budget: int, *, one_per_run: bool,
+                more: int) -> list | None:
+    """``marks`` with the first computations at or after the steps of ``seq`` over
+    ``budget`` added (the most over it first, at most ``more``; with ``one_per_run``,
+    one per run of steps over the budget, the worst runs first: a plan that goes over in
+    several places needs a boundary at each), or None when none is new."""
+    seen: set = set()
+    first_at = []  # (position in seq, op index) of each first computation
+    for pos, v in enumerate(seq):
+        if v not in seen:
+            seen.add(v)
+            first_at.append((pos, index[v]))
+    new: dict = {}  # op index -> the most its step is over the budget
+    region: dict = {}  # run of steps over the budget -> its op most over it
+    j, run, over_before = 0, -1, False
+    for pos, mem in enumerate(memory_curve):
+        if mem <= budget:
+            over_before = False
+            continue
+        run += 0 if over_before else 1
+        over_before = True
+        while j < len(first_at) and first_at[j][0] < pos:
+            j += 1
+        if j < len(first_at):
+            t = first_at[j][1]
+            if t not in marks:
+                new[t] = max(new.get(t, 0), int(mem) - int(budget))
+                if run not in region or new[t] > new[region[run]]:
+                    region[run] = t
+    if not new:
+        return None
+    pool = region.values() if one_per_run else new
+    return sorted(set(marks) | set(sorted(pool, key=lambda t: -new[t])[:max(1, more)]))
 
 
 def _intervals(ops: list, index: dict, solution: dict) -> dict:

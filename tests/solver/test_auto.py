@@ -447,6 +447,31 @@ def test_on_a_large_graph_the_fixed_order_bound_runs_beside_the_search(monkeypat
     assert s.info["bound_scope"] == "fixed order" and s.lower_bound == pytest.approx(min(lb, r.cost))
 
 
+def test_the_fixed_order_bound_starts_where_the_best_schedule_and_stage_milp_find_the_budget_binding(monkeypatch):
+    # auto gives the fixed-order bound the steps where its best schedule so far comes
+    # closest to the budget, then stage_milp's boundaries, as sets to try first
+    g, budget, bounds, _ = _large_chain_for_auto(monkeypatch)
+    seen: dict = {}
+    real_bound, real_tight = bounds.fixed_order_bound, bounds.tight_boundaries
+
+    def tight(graph, budget_bytes, sequence, **kw):
+        seen["tight"] = (solver.simulate(graph, list(sequence)), real_tight(graph, budget_bytes, sequence, **kw))
+        return seen["tight"][1]
+
+    def bound(*args, **kw):
+        seen["given"] = [list(b) for b in kw["boundaries"]]
+        return real_bound(*args, **kw)
+
+    monkeypatch.setattr(bounds, "tight_boundaries", tight)
+    monkeypatch.setattr(bounds, "fixed_order_bound", bound)
+    s = solver.solve(g, budget, method="auto", time_limit=3, gap_tolerance=0.0)
+    r, marks = seen["tight"]
+    assert r.valid and r.peak_bytes <= budget and marks
+    assert seen["given"][0] == marks
+    assert s.info["auto"]["tried"].get("stage_milp") is not None
+    assert len(seen["given"]) == 2 and seen["given"][1] and set(seen["given"][1]) <= set(g.order)
+
+
 def test_the_search_beside_the_bound_stops_once_the_bound_closes_the_gap(monkeypatch):
     # a bound that reaches what closes the gap at once (made up here) ends the search
     # long before its deadline; an error in the bound's thread reaches the caller

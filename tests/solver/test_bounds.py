@@ -11,7 +11,7 @@ from hypothesis import HealthCheck, given, settings, strategies as st
 from graphs import ComputeGraph
 from solver import InfeasibleBudget, NoScheduleFound, simulate
 from solver.bounds import (fixed_order_bound, forced_recompute_bound, free_order_bound, free_stage_lp_bound,
-                           stage_lp_bound)
+                           stage_lp_bound, tight_boundaries)
 from solver.methods import milp
 from solver.methods.bruteforce import brute_force, brute_force_fixed
 from solver.solving import get_method
@@ -23,9 +23,10 @@ from tests.solver.test_auto import captured_model
 def _all_bounds(g, budget):
     """Every fixed-order bound: forced recomputation, the stage LP and the 0/1 stage
     program with one boundary, a few, and every op (projections included), and the best
-    of them that fixed_order_bound finds."""
+    of them that fixed_order_bound finds, also from sets of boundaries given."""
     every = list(g.order)
-    out = [forced_recompute_bound(g, budget), fixed_order_bound(g, budget)]
+    out = [forced_recompute_bound(g, budget), fixed_order_bound(g, budget),
+           fixed_order_bound(g, budget, boundaries=[every[::2], every[1::2], every[-3:]])]
     for integral in (False, True):
         # the 0/1 program's bound holds when it stops early too (None: it proved nothing)
         limit = 1.0 if integral else None
@@ -411,3 +412,82 @@ def test_the_grown_program_keeps_the_boundaries_that_raise_it():
     best, calls = _search(lp, program, marks=[40, 41, 42, 120], pool=list(range(200)), every=[150, 40])
     assert best == 115.0
     assert ((40, 120, 150), True) in calls
+
+
+def _toy():
+    g = ComputeGraph()
+    for v, nb, t in zip("xyzuw", [1, 3, 2, 1, 1], [10, 1, 1, 1, 1]):
+        g.add_node(v, bytes=nb, time=float(t))
+    for e in ["xy", "yz", "zu", "uw", "yw"]:
+        g.add_edge(*e)
+    return g
+
+
+def test_given_boundaries_raise_the_bound_to_the_optimum_where_the_reference_ones_do_not():
+    # the 0/1 program at two steps where the budget binds proves the optimum (x computed
+    # again); without candidates of its own the bound stays at the forced recomputation
+    g = _toy()
+    optimum = simulate(g, brute_force_fixed(g, 5).sequence).cost
+    assert optimum == pytest.approx(25.0)
+    forced = forced_recompute_bound(g, 5)
+    assert forced < optimum - 1 and fixed_order_bound(g, 5, tries=0) == pytest.approx(forced)
+    assert fixed_order_bound(g, 5, tries=0, boundaries=[["z", "u"]]) == pytest.approx(optimum, rel=1e-5)
+    # ids not in the graph are left out; empty sets change nothing
+    assert fixed_order_bound(g, 5, tries=0, boundaries=[["nope"], []]) == pytest.approx(forced)
+
+
+def test_the_program_runs_at_given_boundaries_only_where_their_lp_beats_the_first_candidates(monkeypatch):
+    # the LP at each given set is checked first (milliseconds); a set whose LP is below
+    # the LP at the step most over the budget gets no 0/1 program of its own
+    import solver.bounds as bounds
+
+    g = random_training_graph(20, seed=4)
+    budget = budget_between(g, 0.4)
+    ops = list(g.order)
+    programs = []
+    real = bounds.stage_lp_bound
+
+    def spy(*args, **kw):
+        lb = real(*args, **kw)
+        programs.append((tuple(kw["boundaries"]), kw.get("integral", False), lb))
+        return lb
+
+    monkeypatch.setattr(bounds, "stage_lp_bound", spy)
+    weak, strong = ops[:1], ops  # the first op (nothing is live there) and every op
+    lb = fixed_order_bound(g, budget, tries=0, boundaries=[weak, strong])
+    first = programs[0]
+    assert not first[1] and first[0] not in (tuple(weak), tuple(strong))  # the first candidate's LP
+    lps = {marks: lb for marks, integral, lb in programs if not integral}
+    assert lps[tuple(weak)] < first[2] < lps[tuple(strong)]
+    solved = {marks: lb for marks, integral, lb in programs if integral}
+    assert list(solved) == [tuple(strong)] and lb == pytest.approx(solved[tuple(strong)])
+    assert lb > lps[tuple(strong)]  # the program proves more than its LP here
+
+
+@settings(max_examples=60, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@given(kind=st.integers(0, 2), size=st.integers(2, 8), seed=st.integers(0, 10_000), frac=st.floats(0, 1))
+def test_tight_boundaries_are_first_computations_where_a_schedule_is_closest_to_the_budget(kind, size, seed, frac):
+    from solver import bounds
+
+    g = small_graph(kind, size, seed)
+    budget = budget_between(g, frac)
+    try:
+        seq = brute_force_fixed(g, budget).sequence
+    except (NoScheduleFound, InfeasibleBudget):
+        return
+    curve = simulate(g, seq).memory_curve
+    first = {}
+    for pos, v in enumerate(seq):
+        first.setdefault(v, pos)
+    marks = tight_boundaries(g, budget, seq, most=2)
+    ops = list(g.order)
+    assert len(marks) <= 2 and marks == sorted(marks, key=ops.index)
+    floor = bounds.TIGHT_SHARE * (budget - g.fixed_bytes) + g.fixed_bytes
+    assert all(curve[first[v]] >= floor for v in marks)
+    top = max((curve[p] for p in first.values()), default=0)
+    assert (top >= floor) == bool(marks)
+    if marks:
+        assert max(curve[first[v]] for v in marks) == top  # the highest run is among them
+    # the program at them bounds the fixed-order optimum too
+    lb = fixed_order_bound(g, budget, boundaries=[marks])
+    assert lb <= simulate(g, seq).cost * (1 + 1e-9)

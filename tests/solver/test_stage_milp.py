@@ -161,6 +161,26 @@ def test_rounds_prove_ever_more_and_stop_at_enough():
         assert len(early.info["rounds"]) == 1
 
 
+def test_its_boundaries_are_those_the_next_round_would_solve_at():
+    # stopped after two rounds with the plan still over the budget, the method says where
+    # the third round puts its boundaries: the program there proves what that round proves
+    from solver.bounds import stage_lp_bound
+    from solver.synthetic import random_training_graph
+
+    g = random_training_graph(30, seed=10)
+    budget = budget_between(g, 0.5)
+    full = stage_milp(g, budget, time_limit=30)
+    two = stage_milp(g, budget, time_limit=30, rounds=2)
+    assert [r["boundaries"] for r in two.info["rounds"]] == [r["boundaries"] for r in full.info["rounds"][:2]]
+    assert two.info["rounds"][-1]["peak"] > budget  # (its schedule is the plan, repaired)
+    marks = two.info["boundaries"]
+    ops = list(g.order)
+    assert len(marks) == full.info["rounds"][2]["boundaries"] and marks == sorted(marks, key=ops.index)
+    third = stage_lp_bound(g, budget, boundaries=marks, integral=True, time_limit=30)
+    assert third == pytest.approx(full.info["rounds"][2]["bound"]) and third > two.lower_bound
+    assert full.info["boundaries"] and set(full.info["boundaries"]) <= set(ops)
+
+
 def test_a_held_program_keeps_its_intervals_and_bounds_nothing():
     # holding every interval to what the program's own solution computes again there
     # leaves its optimum; holding them to nothing forbids every recomputation
