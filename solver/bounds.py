@@ -790,7 +790,8 @@ def tight_boundaries(graph: ComputeGraph, budget_bytes: int, sequence: Sequence[
 
     curve = simulate(graph, list(sequence)).memory_curve
     index = {v: i for i, v in enumerate(graph.order)}
-    floor = TIGHT_SHARE * (int(budget_bytes) - graph.fixed_bytes)
+    fixed = graph.fixed_bytes  # (a sum over the graph's sources, each time it is read)
+    floor = TIGHT_SHARE * (int(budget_bytes) - fixed)
     runs: list = []  # (memory, op index) of each run's highest first computation
     seen: set = set()
     inside = False
@@ -798,7 +799,7 @@ def tight_boundaries(graph: ComputeGraph, budget_bytes: int, sequence: Sequence[
         if v in seen:
             continue
         seen.add(v)
-        mem = curve[pos] - graph.fixed_bytes
+        mem = curve[pos] - fixed
         if mem < floor:
             inside = False
             continue
