@@ -641,7 +641,8 @@ def _near_and_far(ranked: list, pool: list) -> list:
 
 
 def _best_of(bound_at, marks: list, base: float, best: float, deadline, time_limit, enough: float | None, *,
-             arrange=sorted, together: bool = False, every: list = (), pool: list = ()) -> float:
+             arrange=sorted, together: bool = False, every: list = (), pool: list = (),
+             known: dict | None = None) -> float:
     """Raise ``best`` with ``bound_at(boundaries, integral, seconds)``, while time is left
     and ``best`` is below ``enough``:
 
@@ -656,10 +657,11 @@ def _best_of(bound_at, marks: list, base: float, best: float, deadline, time_lim
        ``arrange(every)``, until one runs out of its share of the time.
 
     ``arrange`` puts boundaries in the order the bound takes them and drops those it
-    cannot take. Each bound holds alone, so the largest holds."""
+    cannot take; ``known`` (step -> its LP bound) holds LPs the caller already solved.
+    Each bound holds alone, so the largest holds."""
     done = lambda: math.isinf(best) or (enough is not None and best >= enough)  # noqa: E731
     seconds = lambda: None if time_limit is None else max(0.0, deadline.left())  # noqa: E731
-    lps: dict = {}  # step -> its LP bound
+    lps: dict = dict(known or {})  # step -> its LP bound
     programs: dict = {}  # boundaries -> the 0/1 program's bound
 
     def lp(t: int) -> None:
@@ -684,7 +686,8 @@ def _best_of(bound_at, marks: list, base: float, best: float, deadline, time_lim
     for j, t in enumerate(marks):
         if done() or deadline.expired():
             return best
-        lp(t)
+        if t not in lps:
+            lp(t)
         if j + 1 == min(EARLY_LPS, len(marks)) and lps and best > base and not done():
             program(arrange(ranked()[:1]), INTEGRAL_SECONDS if time_limit is None else deadline.left() / 3)
     if together and len(arrange(marks)) > 1 and not done() and not deadline.expired():
@@ -745,7 +748,7 @@ def _best_of(bound_at, marks: list, base: float, best: float, deadline, time_lim
 
 #: Share of :func:`fixed_order_bound`'s time for the 0/1 stage programs at the
 #: ``boundaries`` a caller gives: on a captured Llama at 0.3x, the program at the six
-#: steps where ``lp_eviction``'s schedule is closest to the budget proves +20.6-20.9 %
+#: steps where ``lp_eviction``'s schedule is closest to the budget proves +20.8-20.9 %
 #: in 2.5 s, and at the five boundaries of ``stage_milp``'s third round +19.4-20.3 %,
 #: where the boundaries picked from the reference order reach +18.4 % in 6-53 s.
 GIVEN_SHARE = 0.6
@@ -873,6 +876,7 @@ def fixed_order_bound(graph: ComputeGraph, budget_bytes: int, *, tries: int = TR
                               integral=integral)
 
     candidates = _candidates(graph, ops, excess, amounts)
+    known: dict = {}  # step -> its LP bound, solved for the sets given
     given = [p for p in dict.fromkeys(tuple(sorted({index[v] for v in marks if v in index})) for marks in boundaries)
              if p]
     if given and math.isfinite(best):
@@ -884,6 +888,8 @@ def fixed_order_bound(graph: ComputeGraph, budget_bytes: int, *, tries: int = TR
         first = lps[0] if lps[0] is not None else -math.inf
         best = max([best] + [lb for lb in lps if lb is not None])
         given = [p for p, lb in zip(given, lps[1:]) if lb is not None and lb >= first]
+        if lps[0] is not None:
+            known[candidates[0]] = lps[0]  # (not solved again below)
     until = None if time_limit is None else _time.perf_counter() + GIVEN_SHARE * deadline.left()
     for j, picked in enumerate(given):
         if not math.isfinite(best) or (enough is not None and best >= enough):
@@ -898,7 +904,7 @@ def fixed_order_bound(graph: ComputeGraph, budget_bytes: int, *, tries: int = TR
 
     return _best_of(bound_at, candidates[:tries], graph.total("time"), best,
                     deadline, time_limit, enough, every=_over_budget(graph, ops, excess, every=True)[:EVERY],
-                    pool=sorted(_over_budget(graph, ops, excess)))
+                    pool=sorted(_over_budget(graph, ops, excess)), known=known)
 
 
 # ------------------------------------------------------------------ free order
