@@ -5,7 +5,8 @@ joint export and partitioned runtime, fake tensors, inductor's inner compiler an
 globals of its generated code, Python kernels at dispatch keys, fx's boxed code
 generation, pytree and the dispatch-mode base class. They change between torch releases
 (torch 2.14 began to require a fake tensor in ``meta["val"]`` of every value a forward
-graph saves for backward), so every use of them is here, and nowhere else in ``graphs``
+graph saves for backward; torch 2.15 classifies a no-op view of another output as an alias
+of an intermediate that is a user output), so every use of them is here, and nowhere else in ``graphs``
 or ``solver``; ``tests/test_torch_seam.py`` holds the other modules to that.
 
 Importing this module checks the torch version against :data:`SUPPORTED`: outside that
@@ -17,8 +18,8 @@ newer torch at one's own risk.
 Examples
 --------
 >>> supported_range()
-'2.13-2.14'
->>> check_torch_version("2.14.1+cpu") is None
+'2.13-2.15'
+>>> check_torch_version("2.15.0+cpu") is None
 True
 """
 
@@ -55,7 +56,7 @@ __all__ = [
 ]
 
 #: the torch minor versions remat is tested on (both ends run in CI)
-SUPPORTED: tuple[tuple[int, int], tuple[int, int]] = ((2, 13), (2, 14))
+SUPPORTED: tuple[tuple[int, int], tuple[int, int]] = ((2, 13), (2, 15))
 
 _ALLOW_ENV = "REMAT_ALLOW_UNTESTED_TORCH"
 
@@ -75,18 +76,28 @@ def _minor(version: str) -> tuple[int, int] | None:
     return (int(m.group(1)), int(m.group(2))) if m else None
 
 
-def check_torch_version(version: str | None = None) -> None:
+def check_torch_version(version: str | None = None, *, allow_untested: bool | None = None) -> None:
     """Raise :class:`UnsupportedTorch` when ``version`` (default: the installed torch) is
-    outside :data:`SUPPORTED`; with ``REMAT_ALLOW_UNTESTED_TORCH=1``, warn instead.
+    outside :data:`SUPPORTED`.
+
+    Parameters
+    ----------
+    version : str, optional
+        A torch version string; default the installed torch's.
+    allow_untested : bool, optional
+        Warn instead of raising outside the range. Default: read from the environment
+        variable ``REMAT_ALLOW_UNTESTED_TORCH`` (set and not ``0`` means warn).
 
     Examples
     --------
     >>> check_torch_version("2.13.0")
-    >>> check_torch_version("2.9.1")
+    >>> check_torch_version("2.9.1", allow_untested=False)
     Traceback (most recent call last):
     ...
-    graphs.torch_internals.UnsupportedTorch: remat supports torch 2.13-2.14; this is 2.9.1. Install a supported one (pip install "torch>=2.13,<2.15"), or set REMAT_ALLOW_UNTESTED_TORCH=1 to try this one at your own risk.
+    graphs.torch_internals.UnsupportedTorch: remat supports torch 2.13-2.15; this is 2.9.1. Install a supported one (pip install "torch>=2.13,<2.16"), or set REMAT_ALLOW_UNTESTED_TORCH=1 to try this one at your own risk.
     """
+    if allow_untested is None:
+        allow_untested = os.environ.get(_ALLOW_ENV, "") not in ("", "0")
     version = version or torch.__version__
     minor = _minor(version)
     if minor is not None and SUPPORTED[0] <= minor <= SUPPORTED[1]:
@@ -94,7 +105,7 @@ def check_torch_version(version: str | None = None) -> None:
     msg = (f"remat supports torch {supported_range()}; this is {version}. Install a supported one "
            f'(pip install "torch>={SUPPORTED[0][0]}.{SUPPORTED[0][1]},<{SUPPORTED[1][0]}.{SUPPORTED[1][1] + 1}"), '
            f"or set {_ALLOW_ENV}=1 to try this one at your own risk.")
-    if os.environ.get(_ALLOW_ENV, "") not in ("", "0"):
+    if allow_untested:
         warnings.warn(msg, stacklevel=2)
         return None
     raise UnsupportedTorch(msg)
@@ -529,7 +540,7 @@ def profiler_running() -> bool:
 
 
 def _kineto_events(prof: Any) -> list:
-    """The raw events of a finished ``torch.profiler.profile`` (torch 2.13-2.14: its
+    """The raw events of a finished ``torch.profiler.profile`` (torch 2.13-2.15: its
     autograd profiler's kineto result; ``prof.events()`` would build the whole
     FunctionEvent tree first, which costs more than the step it profiles)."""
     results = getattr(getattr(prof, "profiler", None), "kineto_results", None)

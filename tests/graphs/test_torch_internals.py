@@ -83,17 +83,32 @@ def test_the_installed_torch_is_supported():
     assert torch_internals.SUPPORTED[0] <= tuple(int(x) for x in torch.__version__.split(".")[:2])
 
 
-@pytest.mark.parametrize("version", ["2.12.1", "2.15.0", "3.0.0+cpu"])
+@pytest.mark.parametrize("version", ["2.12.1", "2.16.0", "3.0.0+cpu"])
 def test_an_unsupported_torch_gets_one_clear_error(version, monkeypatch):
     monkeypatch.delenv("REMAT_ALLOW_UNTESTED_TORCH", raising=False)
-    with pytest.raises(UnsupportedTorch, match=rf"remat supports torch 2\.13-2\.14; this is {re.escape(version)}"):
+    with pytest.raises(UnsupportedTorch, match=rf"remat supports torch 2\.13-2\.15; this is {re.escape(version)}"):
         check_torch_version(version)
+
+
+@pytest.mark.parametrize("version", ["2.13.0", "2.14.1+cpu", "2.15.0", "2.15.0+cu130"])
+def test_every_release_of_the_range_is_accepted(version, monkeypatch):
+    monkeypatch.delenv("REMAT_ALLOW_UNTESTED_TORCH", raising=False)
+    assert check_torch_version(version) is None
 
 
 def test_the_check_can_be_turned_into_a_warning(monkeypatch):
     monkeypatch.setenv("REMAT_ALLOW_UNTESTED_TORCH", "1")
-    with pytest.warns(UserWarning, match="this is 2.15.0"):
-        check_torch_version("2.15.0")
+    with pytest.warns(UserWarning, match="this is 2.16.0"):
+        check_torch_version("2.16.0")
+
+
+def test_the_explicit_option_wins_over_the_environment(monkeypatch):
+    monkeypatch.setenv("REMAT_ALLOW_UNTESTED_TORCH", "1")
+    with pytest.raises(UnsupportedTorch):
+        check_torch_version("2.16.0", allow_untested=False)
+    monkeypatch.delenv("REMAT_ALLOW_UNTESTED_TORCH")
+    with pytest.warns(UserWarning):
+        check_torch_version("2.16.0", allow_untested=True)
 
 
 def test_the_pyproject_range_is_the_supported_range():
