@@ -190,12 +190,24 @@ def annotate_storage(gm: torch.fx.GraphModule) -> dict[torch.fx.Node, StorageRec
     return records
 
 
+#: ops that :mod:`torch.utils.flop_counter` counts from torch 2.15 on, by the rule of the
+#: op named beside them, so that FLOPs do not depend on the torch release
+_COUNTED_AS = {
+    "_scaled_dot_product_flash_attention_for_cpu": "_scaled_dot_product_flash_attention",
+    "_scaled_dot_product_flash_attention_for_cpu_backward": "_scaled_dot_product_flash_attention_backward",
+}
+
+
 def _flop_counter(target: Any) -> Callable[..., int] | None:
     from torch.utils.flop_counter import flop_registry
 
     if not is_op_overload(target):
         return None
-    return flop_registry.get(target.overloadpacket)
+    packet = target.overloadpacket
+    rule = flop_registry.get(packet)
+    if rule is None and packet.__name__ in _COUNTED_AS:
+        rule = flop_registry.get(getattr(torch.ops.aten, _COUNTED_AS[packet.__name__]))
+    return rule
 
 
 def _vals(x: Any) -> Any:

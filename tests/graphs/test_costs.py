@@ -151,3 +151,12 @@ def test_alike_calls_are_timed_once_and_share_the_figure():
     assert Count.runs == (1 + 3) + 3 + (1 + 3)
     assert len(mms) == 5 and all(times[m] > 0 for m in mms)
     assert times[mms[0]] == times[mms[1]] == times[mms[2]] == times[mms[3]]
+
+
+def test_cpu_flash_attention_is_counted_as_flash_attention_on_every_torch():
+    # torch 2.15's flop counter counts the CPU kernel; older releases count it as zero
+    q, k, v = (torch.ones(2, 3, 16, 8) for _ in range(3))
+    gm = make_fx(torch.ops.aten._scaled_dot_product_flash_attention_for_cpu.default, tracing_mode="fake")(q, k, v)
+    flops = annotate_flops(gm)
+    forward = next(n for n in flops if n.startswith("_scaled_dot_product_flash_attention_for_cpu"))
+    assert flops[forward] == 2 * (2 * 2 * 3 * 16 * 16 * 8)  # q @ k^T and p @ v
