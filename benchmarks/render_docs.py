@@ -2,8 +2,8 @@
 
 Every table of the benchmarks page is rendered here from the JSON that a benchmark
 script wrote, so the page cannot drift from the runs; the prose around the tables lives
-in :data:`PAGE`. The zoo tables and the GPU tables use the renderers of the scripts that
-wrote them (``benchmarks/graphs.py``, ``benchmarks/cuda_check.py``).
+in :data:`PAGE`. The zoo, model and GPU tables use the renderers of the scripts that
+wrote them (``benchmarks/graphs.py``, ``benchmarks/models.py``, ``benchmarks/cuda_check.py``).
 
 Run: ``python benchmarks/render_docs.py`` (writes the page) or
 ``python benchmarks/render_docs.py --check`` (exit status 1 when the page is not what the
@@ -93,27 +93,10 @@ def zoo_table(name: str) -> str:
 
 
 def models_table() -> str:
-    """``models.json``: allocator peak, resident memory and step time of every variant."""
+    """``models.json``: allocator peak, resident memory and step time of every variant,
+    in the table ``benchmarks/models.py`` writes beside it."""
     data = _load("models.json")
-    store = data["store_all_peak"]
-    out = ["| model | budget | variant | allocator peak MiB | fits | resident MiB | step time vs eager "
-           "| predicted | planning s |", "|---|---|---|---|---|---|---|---|---|"]
-    for r in data["rows"]:
-        frac = r.get("fraction")
-        budget = "-" if frac is None else f"{frac:.0%}"
-        head = f"| {r['model']} | {budget} | {r['variant']} |"
-        if r.get("status") != "ok":
-            note = r.get("status")
-            if note == "infeasible":
-                note += f" (smallest {r['smallest_feasible'] / MIB:.1f} MiB)"
-            out.append(f"{head} {note} | | | | | |")
-            continue
-        fits = "-" if frac is None else ("yes" if r["allocator_peak"] <= frac * store[r["model"]] else "no")
-        tracker = f" (tracker {r['tracker_peak'] / MIB:.1f})" if "tracker_peak" in r else ""
-        pred = f"{r['predicted_peak'] / MIB:.1f} MiB, {r['predicted_ratio']:.2f}x" if "predicted_peak" in r else ""
-        out.append(f"{head} {r['allocator_peak'] / MIB:.1f}{tracker} | {fits} | {r['peak'] / MIB:.1f} | "
-                   f"{r['step_ratio']:.2f}x | {pred} | {r['planning_s']:.1f} |")
-    return "\n".join(out) + "\n"
+    return _script("models")._fmt(data["rows"], data["store_all_peak"]) + "\n"
 
 
 def planning_table() -> str:

@@ -48,7 +48,10 @@ def test_readme_is_short_and_has_the_two_commands():
         assert command in text, f"README.md lost the command {command!r}"
 
 
-def test_readme_and_docs_links_resolve():
-    for doc in [README, *sorted((ROOT / "docs").glob("*.md"))]:
+def test_readme_links_every_docs_page_and_every_link_resolves():
+    pages = {f"docs/{p.name}" for p in (ROOT / "docs").glob("*.md")} | {"CHANGELOG.md"}
+    linked = set(re.findall(r"\]\(([^)#:]+)\)", README.read_text()))
+    assert pages <= linked, f"README.md does not link {sorted(pages - linked)}"
+    for doc in [README, ROOT / "CHANGELOG.md", *sorted((ROOT / "docs").glob("*.md"))]:
         for target in re.findall(r"\]\(([^)#:]+)\)", doc.read_text()):
             assert (doc.parent / target).exists(), f"{doc.name} links to {target}, which does not exist"
