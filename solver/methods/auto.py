@@ -6,31 +6,25 @@ The recipe, cheapest first:
 2. ``eviction`` on the reference order (fast, near-optimal on training graphs); where
    it finds nothing, or not all its passes finish, on a training graph past
    :data:`STAGE_MILP_MAX_OPS` ops,
-   ``chen_sqrt`` and then ``chain_dp`` over the chain of stages (on a chain of 2,000
-   layers at 0.1x with 2 s, eviction does not finish and they fit); on training
+   ``chen_sqrt`` and then ``chain_dp`` over the chain of stages; on training
    graphs past :data:`STAGE_MILP_MAX_OPS` ops, one round of
    ``stage_milp`` (the first program's plan, repaired) with
    :data:`STAGE_MILP_ONE_SHARE` of the time left, when that comes to
    :data:`STAGE_MILP_ONE_SECONDS` at least (without a time limit, unless
-   ``exact=False``, for at most :data:`STAGE_MILP_ONE_UNLIMITED_SECONDS`): on 32-layer
-   captures of HF GPT-2 and
-   Llama (5,400-6,900 ops) at 0.7-0.3x it finds the best schedule of every method in
-   1-3 s, proven within 0.3-5 %;
+   ``exact=False``, for at most :data:`STAGE_MILP_ONE_UNLIMITED_SECONDS`);
 3. ``chain_dp`` on training graphs (optimal for chains of stages), ``lp_eviction``
    (eviction guided by the stage LP's plan, with its unneeded recomputations removed);
    with a time limit, on training graphs up to :data:`STAGE_MILP_MAX_OPS` ops,
    ``stage_milp``: the 0/1 stage program solved and turned into a schedule, which
    comes with the program's proven bound (optimal when the two meet), with
    :data:`STAGE_MILP_SHARE` of the time left; it stops once its bound puts the best
-   schedule so far within ``gap_tolerance`` (on a captured Llama at 0.3x its held
-   rounds reach the optimum for the reference order in 10 s, where the heuristics
-   after it stop 15 % above), and its held rounds end after a plan above
+   schedule so far within ``gap_tolerance``, and its held rounds end after a plan above
    :data:`STAGE_MILP_GIVE_UP` times the budget; then ``cover`` (which forward values the backward keeps, as a covering MILP over the
    steps over the budget), then ``block_dp`` (each distinct layer block solved exactly, the blocks composed by
    a DP over the chain) where one block repeats :data:`BLOCK_DP_MIN_REPEATS` times;
    then staged recomputation (:func:`~solver.methods.staged.staged_sequence`) on the
    reference order, on graphs up to :data:`STAGED_MAX_OPS` ops: it plans the whole
-   memory curve (ResNet50 at 0.8x: +0.279 % where eviction gives +0.306 %);
+   memory curve;
 4. when nothing fits yet, staged recomputation on the low-memory orders (it fits
    budgets where on-demand eviction thrashes); then ``order_search`` (free order) where
    order freedom matters: forward-only graphs, or training graphs whose greedy low-memory order lowers the reference peak; then the
@@ -100,6 +94,9 @@ __all__ = ["solve_auto", "drop_recomputations", "EXACT_MAX_OPS", "CHAIN_DP_MAX_O
 
 log = logging.getLogger(__name__)
 
+# Each constant says what it controls; the runs that set them are in docs/tuning.md,
+# under their names.
+
 #: Graphs with at most this many ops get an exact method when time is left.
 EXACT_MAX_OPS = 120
 #: Seconds at most for proving, where no heuristic fits a small graph, that no
@@ -114,9 +111,7 @@ ORDER_GAIN = 0.01
 #: Order search always runs on graphs this small (it is cheap there).
 SMALL_OPS = 60
 #: Where nothing else fits a graph of at most this many ops, the exhaustive search over
-#: every schedule in any order (:func:`~solver.methods.bruteforce.brute_force`,
-#: O(3^n n): about 0.01 s at 10 ops, at most 0.28 s at 12 on 114 budgets of random
-#: 6-layer training graphs) settles it.
+#: every schedule in any order (:func:`~solver.methods.bruteforce.brute_force`) settles it.
 BRUTE_FORCE_MAX_OPS = 12
 #: Without a time limit, the fixed-order lower bound is only attempted up to this size.
 BOUND_MAX_OPS = 100
@@ -130,9 +125,7 @@ LP_EVICTION_SECONDS = 3.0
 DROP_SECONDS = 1.0
 #: Without a time limit, seconds at most for ``block_dp``.
 BLOCK_DP_SECONDS = 2.0
-#: ``block_dp`` runs when one block structure repeats at least this often: on captured
-#: 4-layer models it beat the heuristics nowhere and took the bounds' time; on a 32-layer
-#: one it wins at 0.5x and 0.3x.
+#: ``block_dp`` runs when one block structure repeats at least this often.
 BLOCK_DP_MIN_REPEATS = 8
 #: Without a time limit, seconds at most for the LP bounds at single boundaries.
 LP_BOUND_SECONDS = 2.0
@@ -174,31 +167,15 @@ CHAIN_RESCUE_SECONDS = 2.0
 #: given (its programs grow with the steps over the budget).
 STAGE_MILP_MAX_OPS = 1000
 #: Share of the time left for ``stage_milp``, and the share it may take while its held
-#: rounds close in on the budget (its ``soft_limit`` and ``time_limit``: on captures of
-#: the Llama at 0.3x with 10 s, its plan fitted and was proven within 2 % in 12 runs of
-#: 12 with 90 %, in 6 of 12 with 70 %, where giving every graph 90 % cost HF GPT-2 at
-#: 0.5x its ``cover`` schedule).
+#: rounds close in on the budget (its ``soft_limit`` and ``time_limit``).
 STAGE_MILP_SHARE = 0.7
 STAGE_MILP_MORE_SHARE = 0.9
 #: ``stage_milp``'s held rounds end, in ``auto``, after one whose plan peaks above this
-#: times the budget (its ``give_up_over``), and the large neighbourhood search after
-#: them gets the time: on captures of the Llama at 0.3x the first held plan peaks at
-#: 1.07-1.15x and the rounds after it fit (within a proven 1.0-6.3 % with 10 s on four
-#: captures; two peaked at 1.150x, where 1.15 stopped them at 18-19 %); on the GPT and
-#: HF GPT-2 at 0.3x (dropout replayed) at 1.19-1.43x, and the rounds that follow take
-#: 5-40 s for schedules that ``lns`` beats in 5-10 s. There the first plan already peaks
-#: at 1.52-1.57x, above this times :data:`solver.methods.stage_milp.FIRST_GIVE_UP`, so
-#: the rounds end before the first held one (2.4 s sooner).
+#: times the budget (its ``give_up_over``), and the search after them gets the time.
 STAGE_MILP_GIVE_UP = 1.17
 #: On training graphs past :data:`STAGE_MILP_MAX_OPS` ops, the share of the time left
 #: for one round of ``stage_milp`` (the first program's plan, repaired), and the seconds
-#: that share must come to for the round to run: on the 32-layer captures the round
-#: took 1.8-2.4 s on a slow machine and found nothing with 1.5-2.0 s; with a limit of 5 s
-#: and half the time left it failed there, and ``lp_eviction`` after it was starved. On
-#: a machine about 6x faster it takes 0.6-1.5 s: with 1 s rather than 2 s here, limits of
-#: 2-3 s get its schedule (the 32-layer Llama at 0.3x with 2 s: +12.92 % within 2 % and
-#: +19.08 % in two runs, where ``eviction`` cut short gave +104.0 %), and with 1 s nothing
-#: was worse.
+#: that share must come to for the round to run.
 STAGE_MILP_ONE_SHARE = 0.8
 STAGE_MILP_ONE_SECONDS = 1.0
 #: Without a time limit, seconds at most for that round.
@@ -207,10 +184,8 @@ STAGE_MILP_ONE_UNLIMITED_SECONDS = 3.0
 STAGED_MAX_OPS = 3000
 #: With a time limit, on graphs past :data:`STAGE_MILP_MAX_OPS` ops, the share of the
 #: limit (at most :data:`TAIL_SECONDS`) that the search leaves to the winner's last
-#: steps: dropping its unneeded recomputations and simulating the result (0.25-0.7 s on
-#: the 32-layer captures, where without it ``auto`` ran 6.1 s for a limit of 5 s), and
-#: the setup of its first bound (0.5 s on a chain of 5,000 layers, where with 2 s and a
-#: share of 0.1 ``auto`` ran 2.8-3.2 s).
+#: steps (dropping its unneeded recomputations, simulating the result) and to the setup
+#: of its first bound.
 TAIL_SHARE = 0.25
 TAIL_SECONDS = 1.0
 
