@@ -394,26 +394,21 @@ def solve_auto(graph: ComputeGraph, budget: int, *, time_limit: float | None = N
             time_limit=max(0.1, min(1.0 if unlimited else 2.0, 0.2 * limit)), ix=ix)
         # 2a. on a training graph past STAGE_MILP_MAX_OPS ops (where the steps after it
         #     take long), where eviction left extra compute:
-        #     Chen's sqrt(L) segments over the chain of stages (hundredths of a second
-        #     where they do not fit), then, where they are the best so far, the chain
-        #     DP (coarse, but on a chain of thousands of layers at 0.1x, where the
-        #     op-level heuristics fail, they fit: 5,000 layers, +32.9 % and +31.0 %)
-        # (also where eviction finished: on a chain of 2,000 layers at 0.1x, where its
-        # passes end within their slice on a fast machine, they cost +152 % and Chen's
-        # segments +33 %)
+        #     Chen's sqrt(L) segments over the chain of stages (cheap where they do not
+        #     fit), then, where they are the best so far, the chain DP: coarse, but they
+        #     fit long chains at low budgets where the op-level heuristics fail or cost
+        #     far more (also where eviction finished; runs in docs/tuning.md)
         if training and extra() and n > STAGE_MILP_MAX_OPS:
-            # one plan built and graded (hundredths of a second on a chain of 2,000
-            # layers), not cut short by what the heuristics before it left: where nothing
-            # fits yet, the schedule of last resort
+            # one plan built and graded (cheap), not cut short by what the heuristics
+            # before it left: where nothing fits yet, the schedule of last resort
             run("chen_sqrt", "Chen's sqrt(L) segments over the chain of stages: cheaper than eviction here",
                 time_limit=None)
             if best[0] is not None and best[0].method == "chen_sqrt" and n > CHAIN_DP_MAX_OPS and has_time():
                 run("chain_dp", "the chain family fits where nothing else did: its optimum over the chain",
                     time_limit=max(0.1, min(CHAIN_RESCUE_SECONDS, CHAIN_RESCUE_SHARE * left())))
         # 2b. on training graphs past STAGE_MILP_MAX_OPS ops: the
-        #     first stage program's plan, repaired (one round of stage_milp; on 32-layer
-        #     captures, within 0.3-5 % of its bound in 1-3 s, where the heuristics below
-        #     stop at gaps of up to 17 %)
+        #     first stage program's plan, repaired (one round of stage_milp: there it
+        #     comes closer to its bound than the heuristics below, in seconds)
         #     (without a time limit too, unless exact=False, for at most
         #     STAGE_MILP_ONE_UNLIMITED_SECONDS)
         one_round = use_exact or (unlimited and asked_exact is None)
@@ -431,13 +426,12 @@ def solve_auto(graph: ComputeGraph, budget: int, *, time_limit: float | None = N
             run("lp_eviction", "eviction guided by the stage LP's relaxed plan",
                 time_limit=max(0.3, min(LP_EVICTION_SECONDS, 0.5 * left()) if unlimited else 0.6 * left()), ix=ix)
         # 3c. with a time limit, the 0/1 stage program, solved, as a schedule and a bound
-        #     at once (the captured U-Net at 0.7x: optimal in seconds, where the
-        #     heuristics and the search stop 14 % above the bound; the captured Llama at
-        #     0.3x: its held rounds need most of 10 s, so it comes before the heuristics
-        #     below, which find less there)
+        #     at once (it may prove its schedule optimal where the heuristics stop well
+        #     above the bound; its held rounds need most of a short limit, so it comes
+        #     before the heuristics below)
         stage_program()
         # 3d. which forward values the backward keeps, as a covering MILP over the steps
-        #     over the budget (GPT-style LMs at 0.5x-0.7x: cheaper than lp_eviction)
+        #     over the budget (on GPT-style LMs often cheaper than lp_eviction)
         if training and extra() and not close_enough() and left() > MIN_SLICE and n <= STAGED_MAX_OPS:
             run("cover", "the backward keeps what a covering MILP over the steps over the budget keeps",
                 time_limit=max(0.3, min(COVER_SECONDS, 0.3 * left())), ix=ix)
@@ -447,7 +441,7 @@ def solve_auto(graph: ComputeGraph, budget: int, *, time_limit: float | None = N
                 time_limit=max(0.3, min(BLOCK_DP_SECONDS if unlimited else 2 * BLOCK_DP_SECONDS, 0.3 * left())),
                 min_repeats=BLOCK_DP_MIN_REPEATS)
         # 3f. staged recomputation on the reference order (it plans the whole memory
-        #     curve; on ResNet50 at 0.8x it beats eviction)
+        #     curve, which eviction decides step by step)
         if extra() and not close_enough() and left() > MIN_SLICE and n <= STAGED_MAX_OPS:
             share = min(STAGED_SECONDS, 0.5 * STAGED_SHARE * left()) if unlimited else 0.5 * STAGED_SHARE * left()
             _staged(graph, ix, budget, consider, tried, deadline=_time.perf_counter() + share, drop=use_drop,
@@ -514,12 +508,12 @@ def solve_auto(graph: ComputeGraph, budget: int, *, time_limit: float | None = N
                     stage_bound(scope, EARLY_BOUND_SHARE * left())
             if not close_enough() and roomy:
                 # the exact model's LP relaxation proves more than the exact methods
-                # do in the same time where they find nothing better (captured U-Net);
-                # with less time, they get it (SegNet at 4 s: cpsat's +0.103 %)
+                # do in the same time where they find nothing better; with less time,
+                # they get it
                 stage_bound("milp", MILP_BOUND_SHARE * left())
             if not close_enough() and not best[0].offloads and left() > MIN_SLICE:
                 # the search over the best schedule's recomputations before the exact
-                # methods, which find nothing better on captured CNNs in seconds
+                # methods, which rarely find better in seconds
                 better = improve_sequence(graph, best[0].sequence, budget,
                                           deadline=_time.perf_counter() + LNS_SHARE * left(), ix=ix)
                 consider("lns", Schedule(sequence=list(better), method="lns"),
@@ -583,9 +577,8 @@ def solve_auto(graph: ComputeGraph, budget: int, *, time_limit: float | None = N
     hurried = not unlimited and n > STAGE_MILP_MAX_OPS and fixed_scope and left() < MIN_SLICE
     # with a time limit, on graphs past BOUND_LIMITED_MAX_OPS ops whose winner keeps the
     # reference order with a fixed-order bound known (stage_milp's): not the bound valid in
-    # any order, which the search after the bounds needs the time of (on captured 4-layer
-    # LMs at 0.5x and 0.3x it ended at +5.9-23.7 % where the fixed-order ones proved
-    # +9.8-27.1 %, and took 0.2-4.4 s)
+    # any order, which the search after the bounds needs the time of (it proves less
+    # there: docs/tuning.md, BOUND_LIMITED_MAX_OPS)
     settled = not unlimited and fixed_scope and n > BOUND_LIMITED_MAX_OPS and bound is not None
     if use_bound and not close and not late() and not hurried and not settled:
         # the bound valid in any order first: the stage LP at ops placed by the DAG alone
@@ -631,9 +624,8 @@ def solve_auto(graph: ComputeGraph, budget: int, *, time_limit: float | None = N
     if fixed_next and fixed_scope and not unlimited and n > BOUND_LIMITED_MAX_OPS and searching():
         # with a time limit, on graphs past BOUND_LIMITED_MAX_OPS ops whose winner keeps
         # the reference order: the fixed-order bound and the search side by side, each
-        # with the time left (SCIP and GLOP release the interpreter while they solve; on
-        # captured HF GPT-2 at 0.3x the bound proves +27.0-27.4 % in 4 s and +27.7-27.9 %
-        # in 10 s); the search stops once the bound closes the gap
+        # with the time left (SCIP and GLOP release the interpreter while they solve);
+        # the search stops once the bound closes the gap
         share = PARALLEL_SHARE * left()
         closing = enough()
         got: dict = {}
