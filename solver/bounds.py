@@ -7,10 +7,10 @@ any order. Both try :func:`stage_lp_bound` (:func:`free_stage_lp_bound`) at sing
 boundaries, then the 0/1 stage program grown from the best of them one boundary at a
 time, then at the best few: on captured CNNs, where every heavy op has several outputs,
 the peak is at a projection, which may be a boundary. The fixed-order bound also scans
-the steps over the budget at a stride for its best single boundary: on a captured
-GPT-2 at 0.3x that step is the gelu's backward in the last layer, among neither the
-steps most over the budget nor those most forced, and the program grown from it
-proves +27.2 % in 4 s where the best few proved +26.3 % in 11 s.
+the steps over the budget at a stride for its best single boundary (:data:`SCAN`): the
+step where the program bounds best is often among neither the steps most over the
+budget nor those most forced. The runs behind the constants are in ``docs/tuning.md``,
+under their names.
 
 :func:`forced_recompute_bound` holds for every sequence whose *first* computations follow
 the reference order (the fixed-order freedom of ``checkmate_milp``, ``cpsat``,
@@ -581,9 +581,8 @@ EARLY_LPS = 4
 #: Without a time limit, seconds at most for those programs in all.
 INTEGRAL_SECONDS = 2.0
 #: Steps over the budget at which :func:`fixed_order_bound` tries the LP besides its
-#: ``tries``, at an even stride (then beside the best three): on a captured GPT-2 at
-#: 0.3x the best single step is neither among the most over the budget nor among the
-#: most forced, and the LP changes little from one step to the next.
+#: ``tries``, at an even stride (then beside the best three); the LP changes little from
+#: one step to the next.
 SCAN = 48
 #: Share of the time left that the scan may take; without a time limit, seconds.
 SCAN_SHARE = 0.3
@@ -747,10 +746,7 @@ def _best_of(bound_at, marks: list, base: float, best: float, deadline, time_lim
 
 
 #: Share of :func:`fixed_order_bound`'s time for the 0/1 stage programs at the
-#: ``boundaries`` a caller gives: on a captured Llama at 0.3x, the program at the six
-#: steps where ``lp_eviction``'s schedule is closest to the budget proves +20.8-20.9 %
-#: in 2.5 s, and at the five boundaries of ``stage_milp``'s third round +19.4-20.3 %,
-#: where the boundaries picked from the reference order reach +18.4 % in 6-53 s.
+#: ``boundaries`` a caller gives.
 GIVEN_SHARE = 0.6
 #: :func:`tight_boundaries`: runs of first computations at least this share of the
 #: budget, and how many of them (the highest first).
@@ -881,8 +877,7 @@ def fixed_order_bound(graph: ComputeGraph, budget_bytes: int, *, tries: int = TR
              if p]
     if given and math.isfinite(best):
         # the 0/1 program only where the LP there beats the LP at the first candidate
-        # (milliseconds each): on captured GPT-style LMs at 0.3x, where the LP at the
-        # steps closest to the budget is lower, the program there finds nothing in seconds
+        # (milliseconds each; the runs behind this: docs/tuning.md, GIVEN_SHARE)
         seconds = lambda: None if time_limit is None else max(0.0, deadline.left())  # noqa: E731
         lps = [bound_at(list(p), False, seconds()) for p in [candidates[:1]] + given] if candidates else [None]
         first = lps[0] if lps[0] is not None else -math.inf
@@ -1124,9 +1119,7 @@ def free_order_bound(graph: ComputeGraph, budget_bytes: int, *, tries: int = FRE
     return best
 
 
-#: Seconds of one probe of :func:`relaxed_peak_bound` (a budget the relaxation rules out
-#: is mostly ruled out within 0.1 s on captured 4-layer transformers; one it allows
-#: takes the whole probe).
+#: Seconds of one probe of :func:`relaxed_peak_bound`.
 PROBE_SECONDS = 0.5
 
 

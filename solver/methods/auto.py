@@ -6,31 +6,25 @@ The recipe, cheapest first:
 2. ``eviction`` on the reference order (fast, near-optimal on training graphs); where
    it finds nothing, or not all its passes finish, on a training graph past
    :data:`STAGE_MILP_MAX_OPS` ops,
-   ``chen_sqrt`` and then ``chain_dp`` over the chain of stages (on a chain of 2,000
-   layers at 0.1x with 2 s, eviction does not finish and they fit); on training
+   ``chen_sqrt`` and then ``chain_dp`` over the chain of stages; on training
    graphs past :data:`STAGE_MILP_MAX_OPS` ops, one round of
    ``stage_milp`` (the first program's plan, repaired) with
    :data:`STAGE_MILP_ONE_SHARE` of the time left, when that comes to
    :data:`STAGE_MILP_ONE_SECONDS` at least (without a time limit, unless
-   ``exact=False``, for at most :data:`STAGE_MILP_ONE_UNLIMITED_SECONDS`): on 32-layer
-   captures of HF GPT-2 and
-   Llama (5,400-6,900 ops) at 0.7-0.3x it finds the best schedule of every method in
-   1-3 s, proven within 0.3-5 %;
+   ``exact=False``, for at most :data:`STAGE_MILP_ONE_UNLIMITED_SECONDS`);
 3. ``chain_dp`` on training graphs (optimal for chains of stages), ``lp_eviction``
    (eviction guided by the stage LP's plan, with its unneeded recomputations removed);
    with a time limit, on training graphs up to :data:`STAGE_MILP_MAX_OPS` ops,
    ``stage_milp``: the 0/1 stage program solved and turned into a schedule, which
    comes with the program's proven bound (optimal when the two meet), with
    :data:`STAGE_MILP_SHARE` of the time left; it stops once its bound puts the best
-   schedule so far within ``gap_tolerance`` (on a captured Llama at 0.3x its held
-   rounds reach the optimum for the reference order in 10 s, where the heuristics
-   after it stop 15 % above), and its held rounds end after a plan above
+   schedule so far within ``gap_tolerance``, and its held rounds end after a plan above
    :data:`STAGE_MILP_GIVE_UP` times the budget; then ``cover`` (which forward values the backward keeps, as a covering MILP over the
    steps over the budget), then ``block_dp`` (each distinct layer block solved exactly, the blocks composed by
    a DP over the chain) where one block repeats :data:`BLOCK_DP_MIN_REPEATS` times;
    then staged recomputation (:func:`~solver.methods.staged.staged_sequence`) on the
    reference order, on graphs up to :data:`STAGED_MAX_OPS` ops: it plans the whole
-   memory curve (ResNet50 at 0.8x: +0.279 % where eviction gives +0.306 %);
+   memory curve;
 4. when nothing fits yet, staged recomputation on the low-memory orders (it fits
    budgets where on-demand eviction thrashes); then ``order_search`` (free order) where
    order freedom matters: forward-only graphs, or training graphs whose greedy low-memory order lowers the reference peak; then the
@@ -100,6 +94,9 @@ __all__ = ["solve_auto", "drop_recomputations", "EXACT_MAX_OPS", "CHAIN_DP_MAX_O
 
 log = logging.getLogger(__name__)
 
+# Each constant says what it controls; the runs that set them are in docs/tuning.md,
+# under their names.
+
 #: Graphs with at most this many ops get an exact method when time is left.
 EXACT_MAX_OPS = 120
 #: Seconds at most for proving, where no heuristic fits a small graph, that no
@@ -114,9 +111,7 @@ ORDER_GAIN = 0.01
 #: Order search always runs on graphs this small (it is cheap there).
 SMALL_OPS = 60
 #: Where nothing else fits a graph of at most this many ops, the exhaustive search over
-#: every schedule in any order (:func:`~solver.methods.bruteforce.brute_force`,
-#: O(3^n n): about 0.01 s at 10 ops, at most 0.28 s at 12 on 114 budgets of random
-#: 6-layer training graphs) settles it.
+#: every schedule in any order (:func:`~solver.methods.bruteforce.brute_force`) settles it.
 BRUTE_FORCE_MAX_OPS = 12
 #: Without a time limit, the fixed-order lower bound is only attempted up to this size.
 BOUND_MAX_OPS = 100
@@ -130,9 +125,7 @@ LP_EVICTION_SECONDS = 3.0
 DROP_SECONDS = 1.0
 #: Without a time limit, seconds at most for ``block_dp``.
 BLOCK_DP_SECONDS = 2.0
-#: ``block_dp`` runs when one block structure repeats at least this often: on captured
-#: 4-layer models it beat the heuristics nowhere and took the bounds' time; on a 32-layer
-#: one it wins at 0.5x and 0.3x.
+#: ``block_dp`` runs when one block structure repeats at least this often.
 BLOCK_DP_MIN_REPEATS = 8
 #: Without a time limit, seconds at most for the LP bounds at single boundaries.
 LP_BOUND_SECONDS = 2.0
@@ -174,31 +167,15 @@ CHAIN_RESCUE_SECONDS = 2.0
 #: given (its programs grow with the steps over the budget).
 STAGE_MILP_MAX_OPS = 1000
 #: Share of the time left for ``stage_milp``, and the share it may take while its held
-#: rounds close in on the budget (its ``soft_limit`` and ``time_limit``: on captures of
-#: the Llama at 0.3x with 10 s, its plan fitted and was proven within 2 % in 12 runs of
-#: 12 with 90 %, in 6 of 12 with 70 %, where giving every graph 90 % cost HF GPT-2 at
-#: 0.5x its ``cover`` schedule).
+#: rounds close in on the budget (its ``soft_limit`` and ``time_limit``).
 STAGE_MILP_SHARE = 0.7
 STAGE_MILP_MORE_SHARE = 0.9
 #: ``stage_milp``'s held rounds end, in ``auto``, after one whose plan peaks above this
-#: times the budget (its ``give_up_over``), and the large neighbourhood search after
-#: them gets the time: on captures of the Llama at 0.3x the first held plan peaks at
-#: 1.07-1.15x and the rounds after it fit (within a proven 1.0-6.3 % with 10 s on four
-#: captures; two peaked at 1.150x, where 1.15 stopped them at 18-19 %); on the GPT and
-#: HF GPT-2 at 0.3x (dropout replayed) at 1.19-1.43x, and the rounds that follow take
-#: 5-40 s for schedules that ``lns`` beats in 5-10 s. There the first plan already peaks
-#: at 1.52-1.57x, above this times :data:`solver.methods.stage_milp.FIRST_GIVE_UP`, so
-#: the rounds end before the first held one (2.4 s sooner).
+#: times the budget (its ``give_up_over``), and the search after them gets the time.
 STAGE_MILP_GIVE_UP = 1.17
 #: On training graphs past :data:`STAGE_MILP_MAX_OPS` ops, the share of the time left
 #: for one round of ``stage_milp`` (the first program's plan, repaired), and the seconds
-#: that share must come to for the round to run: on the 32-layer captures the round
-#: took 1.8-2.4 s on a slow machine and found nothing with 1.5-2.0 s; with a limit of 5 s
-#: and half the time left it failed there, and ``lp_eviction`` after it was starved. On
-#: a machine about 6x faster it takes 0.6-1.5 s: with 1 s rather than 2 s here, limits of
-#: 2-3 s get its schedule (the 32-layer Llama at 0.3x with 2 s: +12.92 % within 2 % and
-#: +19.08 % in two runs, where ``eviction`` cut short gave +104.0 %), and with 1 s nothing
-#: was worse.
+#: that share must come to for the round to run.
 STAGE_MILP_ONE_SHARE = 0.8
 STAGE_MILP_ONE_SECONDS = 1.0
 #: Without a time limit, seconds at most for that round.
@@ -207,10 +184,8 @@ STAGE_MILP_ONE_UNLIMITED_SECONDS = 3.0
 STAGED_MAX_OPS = 3000
 #: With a time limit, on graphs past :data:`STAGE_MILP_MAX_OPS` ops, the share of the
 #: limit (at most :data:`TAIL_SECONDS`) that the search leaves to the winner's last
-#: steps: dropping its unneeded recomputations and simulating the result (0.25-0.7 s on
-#: the 32-layer captures, where without it ``auto`` ran 6.1 s for a limit of 5 s), and
-#: the setup of its first bound (0.5 s on a chain of 5,000 layers, where with 2 s and a
-#: share of 0.1 ``auto`` ran 2.8-3.2 s).
+#: steps (dropping its unneeded recomputations, simulating the result) and to the setup
+#: of its first bound.
 TAIL_SHARE = 0.25
 TAIL_SECONDS = 1.0
 
@@ -419,26 +394,21 @@ def solve_auto(graph: ComputeGraph, budget: int, *, time_limit: float | None = N
             time_limit=max(0.1, min(1.0 if unlimited else 2.0, 0.2 * limit)), ix=ix)
         # 2a. on a training graph past STAGE_MILP_MAX_OPS ops (where the steps after it
         #     take long), where eviction left extra compute:
-        #     Chen's sqrt(L) segments over the chain of stages (hundredths of a second
-        #     where they do not fit), then, where they are the best so far, the chain
-        #     DP (coarse, but on a chain of thousands of layers at 0.1x, where the
-        #     op-level heuristics fail, they fit: 5,000 layers, +32.9 % and +31.0 %)
-        # (also where eviction finished: on a chain of 2,000 layers at 0.1x, where its
-        # passes end within their slice on a fast machine, they cost +152 % and Chen's
-        # segments +33 %)
+        #     Chen's sqrt(L) segments over the chain of stages (cheap where they do not
+        #     fit), then, where they are the best so far, the chain DP: coarse, but they
+        #     fit long chains at low budgets where the op-level heuristics fail or cost
+        #     far more (also where eviction finished; runs in docs/tuning.md)
         if training and extra() and n > STAGE_MILP_MAX_OPS:
-            # one plan built and graded (hundredths of a second on a chain of 2,000
-            # layers), not cut short by what the heuristics before it left: where nothing
-            # fits yet, the schedule of last resort
+            # one plan built and graded (cheap), not cut short by what the heuristics
+            # before it left: where nothing fits yet, the schedule of last resort
             run("chen_sqrt", "Chen's sqrt(L) segments over the chain of stages: cheaper than eviction here",
                 time_limit=None)
             if best[0] is not None and best[0].method == "chen_sqrt" and n > CHAIN_DP_MAX_OPS and has_time():
                 run("chain_dp", "the chain family fits where nothing else did: its optimum over the chain",
                     time_limit=max(0.1, min(CHAIN_RESCUE_SECONDS, CHAIN_RESCUE_SHARE * left())))
         # 2b. on training graphs past STAGE_MILP_MAX_OPS ops: the
-        #     first stage program's plan, repaired (one round of stage_milp; on 32-layer
-        #     captures, within 0.3-5 % of its bound in 1-3 s, where the heuristics below
-        #     stop at gaps of up to 17 %)
+        #     first stage program's plan, repaired (one round of stage_milp: there it
+        #     comes closer to its bound than the heuristics below, in seconds)
         #     (without a time limit too, unless exact=False, for at most
         #     STAGE_MILP_ONE_UNLIMITED_SECONDS)
         one_round = use_exact or (unlimited and asked_exact is None)
@@ -456,13 +426,12 @@ def solve_auto(graph: ComputeGraph, budget: int, *, time_limit: float | None = N
             run("lp_eviction", "eviction guided by the stage LP's relaxed plan",
                 time_limit=max(0.3, min(LP_EVICTION_SECONDS, 0.5 * left()) if unlimited else 0.6 * left()), ix=ix)
         # 3c. with a time limit, the 0/1 stage program, solved, as a schedule and a bound
-        #     at once (the captured U-Net at 0.7x: optimal in seconds, where the
-        #     heuristics and the search stop 14 % above the bound; the captured Llama at
-        #     0.3x: its held rounds need most of 10 s, so it comes before the heuristics
-        #     below, which find less there)
+        #     at once (it may prove its schedule optimal where the heuristics stop well
+        #     above the bound; its held rounds need most of a short limit, so it comes
+        #     before the heuristics below)
         stage_program()
         # 3d. which forward values the backward keeps, as a covering MILP over the steps
-        #     over the budget (GPT-style LMs at 0.5x-0.7x: cheaper than lp_eviction)
+        #     over the budget (on GPT-style LMs often cheaper than lp_eviction)
         if training and extra() and not close_enough() and left() > MIN_SLICE and n <= STAGED_MAX_OPS:
             run("cover", "the backward keeps what a covering MILP over the steps over the budget keeps",
                 time_limit=max(0.3, min(COVER_SECONDS, 0.3 * left())), ix=ix)
@@ -472,7 +441,7 @@ def solve_auto(graph: ComputeGraph, budget: int, *, time_limit: float | None = N
                 time_limit=max(0.3, min(BLOCK_DP_SECONDS if unlimited else 2 * BLOCK_DP_SECONDS, 0.3 * left())),
                 min_repeats=BLOCK_DP_MIN_REPEATS)
         # 3f. staged recomputation on the reference order (it plans the whole memory
-        #     curve; on ResNet50 at 0.8x it beats eviction)
+        #     curve, which eviction decides step by step)
         if extra() and not close_enough() and left() > MIN_SLICE and n <= STAGED_MAX_OPS:
             share = min(STAGED_SECONDS, 0.5 * STAGED_SHARE * left()) if unlimited else 0.5 * STAGED_SHARE * left()
             _staged(graph, ix, budget, consider, tried, deadline=_time.perf_counter() + share, drop=use_drop,
@@ -539,12 +508,12 @@ def solve_auto(graph: ComputeGraph, budget: int, *, time_limit: float | None = N
                     stage_bound(scope, EARLY_BOUND_SHARE * left())
             if not close_enough() and roomy:
                 # the exact model's LP relaxation proves more than the exact methods
-                # do in the same time where they find nothing better (captured U-Net);
-                # with less time, they get it (SegNet at 4 s: cpsat's +0.103 %)
+                # do in the same time where they find nothing better; with less time,
+                # they get it
                 stage_bound("milp", MILP_BOUND_SHARE * left())
             if not close_enough() and not best[0].offloads and left() > MIN_SLICE:
                 # the search over the best schedule's recomputations before the exact
-                # methods, which find nothing better on captured CNNs in seconds
+                # methods, which rarely find better in seconds
                 better = improve_sequence(graph, best[0].sequence, budget,
                                           deadline=_time.perf_counter() + LNS_SHARE * left(), ix=ix)
                 consider("lns", Schedule(sequence=list(better), method="lns"),
@@ -608,9 +577,8 @@ def solve_auto(graph: ComputeGraph, budget: int, *, time_limit: float | None = N
     hurried = not unlimited and n > STAGE_MILP_MAX_OPS and fixed_scope and left() < MIN_SLICE
     # with a time limit, on graphs past BOUND_LIMITED_MAX_OPS ops whose winner keeps the
     # reference order with a fixed-order bound known (stage_milp's): not the bound valid in
-    # any order, which the search after the bounds needs the time of (on captured 4-layer
-    # LMs at 0.5x and 0.3x it ended at +5.9-23.7 % where the fixed-order ones proved
-    # +9.8-27.1 %, and took 0.2-4.4 s)
+    # any order, which the search after the bounds needs the time of (it proves less
+    # there: docs/tuning.md, BOUND_LIMITED_MAX_OPS)
     settled = not unlimited and fixed_scope and n > BOUND_LIMITED_MAX_OPS and bound is not None
     if use_bound and not close and not late() and not hurried and not settled:
         # the bound valid in any order first: the stage LP at ops placed by the DAG alone
@@ -656,9 +624,8 @@ def solve_auto(graph: ComputeGraph, budget: int, *, time_limit: float | None = N
     if fixed_next and fixed_scope and not unlimited and n > BOUND_LIMITED_MAX_OPS and searching():
         # with a time limit, on graphs past BOUND_LIMITED_MAX_OPS ops whose winner keeps
         # the reference order: the fixed-order bound and the search side by side, each
-        # with the time left (SCIP and GLOP release the interpreter while they solve; on
-        # captured HF GPT-2 at 0.3x the bound proves +27.0-27.4 % in 4 s and +27.7-27.9 %
-        # in 10 s); the search stops once the bound closes the gap
+        # with the time left (SCIP and GLOP release the interpreter while they solve);
+        # the search stops once the bound closes the gap
         share = PARALLEL_SHARE * left()
         closing = enough()
         got: dict = {}

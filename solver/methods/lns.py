@@ -48,12 +48,14 @@ __all__ = ["improve_sequence", "lns", "lp_starts", "CANDIDATES", "DRIFT", "NOISE
 
 log = logging.getLogger(__name__)
 
+# Each constant says what it controls; the runs that set them are in docs/tuning.md,
+# under their names.
+
 #: Stages in a window ruin, as a fraction of the ops (at least 4 stages).
 WINDOW = 0.02
 #: Share of ``lns``'s time for its starts (past it, a start still runs while none fits).
 START_SHARE = 0.4
-#: Of that, the share ``cover`` may take: the other starts follow (on a 32-layer capture,
-#: ``cover`` takes all the time it is given).
+#: Of that, the share ``cover`` may take (the other starts follow).
 COVER_SHARE = 0.5
 #: How many of the cheapest starts ``lns`` takes turns on.
 STARTS = 3
@@ -61,13 +63,8 @@ STARTS = 3
 NOISE = (0.3, 1.0, 3.0)
 #: How many candidates the repair weighs per step (one drawn per round).
 CANDIDATES = (8, 16, 32)
-#: A repaired sequence replaces the current one when it costs no more than the current
-#: one, or no more than the cheapest found plus this share of that one's extra compute
-#: (record-to-record travel: the search may step to a slightly costlier neighbour). From
-#: the ``lp_eviction`` schedule of captured HF GPT-2 and GPT at 0.3x, ten seeds with 3 s
-#: each end at +31.10 % and +30.84 % on average with it, +31.72 % and +30.93 % without;
-#: on HF GPT-2 at 0.7x and 0.5x, GPT at 0.5x and a Llama at 0.5x and 0.3x (3-4 seeds
-#: each) they are the same.
+#: A repaired sequence replaces the current one when it costs no more than it, or than
+#: the cheapest found plus this share of that one's extra compute (record-to-record travel).
 DRIFT = 0.01
 #: Costs this close (relative) are equal.
 _ULPS = 1e-12

@@ -21,24 +21,17 @@ budget does not need (:func:`~solver.methods.drop.drop_recomputations`). The fir
 boundaries are the steps of the reference order over the budget (one per multi-output
 op), the most over first.
 
-On the captured U-Net of the benchmarks at 0.7x, the program at its four steps over the
-budget gives a schedule that costs what the program proves (+19.37 %) in seconds, where
-the heuristics and the search stop at +22.3 % with a gap of 14 %.
-
 On large graphs whose plan goes far over the budget, the whole program grows slow with
-each round (on the captured Llama at 0.3x: tens of seconds from the third round on), so
-the later rounds are *held*: the intervals that the new boundaries leave whole may
-compute again only what the last solution computed there, which SCIP settles in a
-second or two, and one boundary goes to each run of steps over the budget. Held
-rounds prove nothing (their programs stop at :data:`HELD_GAP`); once their plan fits,
-the whole program at their boundaries, started from that plan, proves what it can in
-the time left. On that Llama, this gives
-+18.25 % proven within 0.2 % in 10 s, where the whole rounds found no schedule in 10 s
-and took 140 s to reach the same one. With held rounds, the first round's program gets
-:data:`FIRST_SHARE` of the time (SCIP took 1.1-7.2 s on it over captures of that Llama,
-and where it took 6-7 s the held rounds had no time left), and while rounds are held, a
-plan that goes over the budget less than those before it is repaired at once, briefly. A ``soft_limit`` lets a caller
-give the rounds more time only while they close in on the budget.
+each round, so the later rounds are *held*: the intervals that the new boundaries leave
+whole may compute again only what the last solution computed there, which SCIP settles
+much faster, and one boundary goes to each run of steps over the budget. Held rounds
+prove nothing (their programs stop at :data:`HELD_GAP`); once their plan fits, the whole
+program at their boundaries, started from that plan, proves what it can in the time
+left. With held rounds, the first round's program gets :data:`FIRST_SHARE` of the time,
+and while rounds are held, a plan that goes over the budget less than those before it
+is repaired at once, briefly. A ``soft_limit`` lets a caller give the rounds more time
+only while they close in on the budget. The runs behind the constants are in
+``docs/tuning.md``, under their names.
 """
 
 from __future__ import annotations
@@ -59,51 +52,33 @@ __all__ = ["stage_milp", "sequence_from_stages", "FIRST_BOUNDARIES", "MORE_BOUND
            "HELD_SHARE", "HELD_SECONDS", "HELD_GAP", "HELD_OVER", "FIRST_SHARE", "REPAIR_SHARE", "ROUND_REPAIR_SHARE",
            "NEAR_OVER", "FIRST_GIVE_UP"]
 
-#: Boundaries of the first round (the steps most over the budget), and at most added by
-#: each later one: on graphs up to :data:`SMALL_OPS` ops, and on larger ones (where
-#: SCIP solves a program of eight boundaries in no less than tens of seconds).
+#: Boundaries of the first round (the steps most over the budget) and the most each later
+#: round adds: on graphs up to :data:`SMALL_OPS` ops, and on larger ones.
 FIRST_BOUNDARIES = (8, 1)
 MORE_BOUNDARIES = (8, 2)
-#: See :data:`FIRST_BOUNDARIES`.
+#: Ops up to which a graph gets the first entries of those pairs.
 SMALL_OPS = 400
 #: Rounds at most.
 ROUNDS = 8
 #: A held round's share of the time left, and its seconds at least (see ``hold_rounds``).
 HELD_SHARE = 0.3
 HELD_SECONDS = 2.0
-#: A held round's program stops once its solution is within this share of its proven
-#: optimum (a held round proves nothing; its plan is what counts): on a capture of the
-#: Llama at 0.3x, the first held program stops after 1.0 s at +19.41 %, where it spent
-#: its 2 s for +19.34 % (its optimum, +19.30 %, takes 4.4 s); over six captures, ``auto``
-#: with 10 s ended within 10 % in 12 of 18 runs, against 6 of 12 solved to optimality.
+#: A held round's program stops once its solution is within this share of its optimum.
 HELD_GAP = 0.05
-#: Rounds are held from the first plan that goes this far over the budget on (a peak of
-#: 1.25x the budget and more: the captured Llama at 0.3x of its store-all peak, where the
-#: plan of the first round peaks at 1.3-1.4x and the whole program's rounds take tens of
-#: seconds from the third on; HF GPT-2 at 0.5x starts at 1.13x, and its whole program's
-#: rounds prove more than held rounds find).
+#: Rounds are held from the first plan that peaks this many times the budget or more.
 HELD_OVER = 1.25
-#: On graphs past :data:`SMALL_OPS` ops, the first round's share of the time (its
-#: program, at the step most over the budget, took 1.1-7.2 s on captures of the Llama
-#: at 0.3x, by the order SCIP met its variables in; the held rounds after it need 4-6 s).
+#: On graphs past :data:`SMALL_OPS` ops with held rounds, the first round's share of the time.
 FIRST_SHARE = 0.35
-#: While rounds are held, the share of the time left for repairing a plan that goes
-#: over the budget less than those before it (staged relief fails within tens of
-#: milliseconds on the captured Llama at 0.3x, where a reserve kept for it at the end
-#: took the time that the last held round needed).
+#: While rounds are held, the share of the time left for repairing a plan that goes over
+#: the budget less than those before it.
 REPAIR_SHARE = 0.1
 #: A whole round's repair gets this share of the time left, unless it is the last round
 #: (then the time left: no round after it needs any).
 ROUND_REPAIR_SHARE = 0.3
-#: Past ``soft_limit``, held rounds go on while their last plan peaks within this times
-#: the budget (on captures of the Llama at 0.3x the second held round's plan peaks at
-#: 1.07-1.10x and the third fits; on HF GPT-2 at 0.3x they stay at 1.09-1.18x for minutes).
+#: Past ``soft_limit``, held rounds go on while their last plan peaks within this times the budget.
 NEAR_OVER = 1.1
-#: With ``give_up_over``, the rounds also end after a first plan (the one the held
-#: rounds would start from) that peaks above ``give_up_over`` times this times the
-#: budget: on captures of GPT-style LMs at 0.3x of store-all, the first plan peaks at
-#: 1.52-1.57x and the held round after it, 2.4 s later, at 1.19-1.43x, where the rounds
-#: gave up anyway; on the Llama at 0.3x, whose held rounds fit, it peaks at 1.30-1.38x.
+#: With ``give_up_over``, the rounds also end after a first plan that peaks above
+#: ``give_up_over`` times this times the budget.
 FIRST_GIVE_UP = 1.24
 
 
