@@ -22,7 +22,7 @@ def _chain():
 
 @pytest.mark.parametrize("key,value", [("bytes", -5000), ("time", -3.0), ("time", math.nan), ("bytes", math.inf),
                                        ("bytes", "1000"), ("time", "1.0"), ("bytes", True), ("workspace", -1),
-                                       ("bytes", 2.5)])
+                                       ("bytes", 2.5), ("workspace", None)])
 def test_solve_refuses_bad_amounts_as_load_does(key, value):
     g = _chain()
     g["f1"][key] = value
