@@ -330,14 +330,16 @@ def cmd_solve(args) -> dict:
 def cmd_sweep(args) -> dict:
     from solver.errors import InfeasibleBudget, NoScheduleFound, SolverError
     from solver.methods.minpeak import smallest_feasible_peak
-    from solver.solving import solve
+    from solver.solving import get_method, solve
 
+    methods = args.methods.split(",")
+    for m in methods:
+        get_method(m)  # an unknown name ends the command before any work, not as rows of errors
     graph = _load_graph(args.graph)
     peak = _store_all_peak(graph)
     low, _, _ = smallest_feasible_peak(graph)
     n = max(2, args.points)
     budgets = [int(low + (peak - low) * i / (n - 1)) for i in range(n)]
-    methods = args.methods.split(",")
     bar = Progress(len(budgets) * len(methods), "sweep", enabled=not args.json)
     rows = []
     for m in methods:

@@ -67,3 +67,4 @@ def test_a_reader_that_leaves_ends_the_sweep_quietly(graph, json):
     p.stderr.close()
     assert p.wait(timeout=120) == 141  # 128 + SIGPIPE, what a shell reports for a tool the pipe ended
     assert err == ""
+
