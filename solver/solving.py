@@ -109,7 +109,9 @@ def solve(
         within 10 % or a second); exact methods stop there with the best schedule and
         its gap.
     **options
-        Passed to the method (e.g. ``bandwidth`` for offload, ``k`` for every-k).
+        Passed to the method (e.g. ``bandwidth`` for offload, ``k`` for every-k); one
+        that it does not take raises :class:`~solver.registry.OptionError`
+        (``methods()[name].options`` lists those it takes).
 
     Returns
     -------
