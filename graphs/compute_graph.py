@@ -58,7 +58,7 @@ import numpy as np
 from graphs.errors import GraphFormatError
 from graphs.units import format_bytes as _fmt_bytes, format_count as _fmt_num
 
-__all__ = ["ComputeGraph", "SCHEMA_VERSION", "BACKWARD_START", "repeated_note"]
+__all__ = ["ComputeGraph", "SCHEMA_VERSION", "BACKWARD_START", "repeated_note", "validated"]
 
 SCHEMA_VERSION = 1
 #: Node id (and ``op``) of the step where the backward starts; it has no fx node.
@@ -68,9 +68,11 @@ SOURCE_KINDS = ("param", "buffer", "input")
 KINDS = ("op",) + SOURCE_KINDS
 PHASES = ("forward", "backward")
 #: numeric node attributes: finite and non-negative
-_AMOUNTS = ("bytes", "flops", "time", "workspace", "run_workspace")
+_AMOUNTS = ("bytes", "flops", "time", "workspace", "run_workspace", "group_time")
 #: Of :data:`_AMOUNTS`, those counted in bytes (whole numbers).
 _BYTE_AMOUNTS = ("bytes", "workspace", "run_workspace")
+#: What :meth:`ComputeGraph.validate` reads for an attribute a node does not have.
+_ABSENT = object()
 #: Node attributes that are true or false.
 _FLAGS = ("output", "recomputable")
 _DEFAULTS: dict[str, Any] = {
@@ -337,11 +339,14 @@ class ComputeGraph:
     def validate(self) -> "ComputeGraph":
         """Check that the graph means what a schedule needs; raise on the first fault.
 
-        Checked: every node's ``kind`` and ``phase`` are known; ``bytes``, ``flops``,
-        ``time``, ``workspace`` and ``run_workspace`` are finite non-negative numbers;
-        the graph has no cycle; the reference order names every op node once, nothing
-        unknown, and runs every op after the ops it reads. :meth:`load` and
-        :meth:`from_dict` call it.
+        Checked: every node has the attributes a schedule reads (:meth:`add_node` and
+        the constructor fill in their defaults); its ``kind`` and ``phase`` are known;
+        ``bytes``, ``flops``, ``time``, ``workspace``, ``run_workspace`` and
+        ``group_time`` are finite non-negative numbers (not strings or booleans), and
+        so is ``meta["extra_fixed_bytes"]``; the graph has no cycle and no node reads
+        itself; the reference order names every op node once, nothing unknown, and runs
+        every op after the ops it reads. :meth:`load`, :meth:`from_dict` and
+        :func:`solver.solve` (through :func:`validated`) call it.
 
         Returns
         -------
@@ -362,7 +367,13 @@ class ComputeGraph:
         graphs.errors.GraphFormatError: graph 'g': node 'b' has bytes=-1; give a finite number >= 0
         """
         where = f"graph {self.name!r}: " if self.name else ""
-        for n, data in self.nx.nodes(data=True):
+        required = _DEFAULTS.keys()
+        for n, data in self.nx._node.items():
+            if not required <= data.keys():
+                key = next(k for k in _DEFAULTS if k not in data)
+                raise GraphFormatError(f"{where}{self._label(n)} has no {key!r}; add nodes with "
+                                       f"ComputeGraph.add_node, or pass the networkx graph to ComputeGraph(...), "
+                                       f"which fill in the defaults")
             if data["kind"] not in KINDS:
                 raise GraphFormatError(f"{where}{self._label(n)} has unknown kind {data['kind']!r}; "
                                        f"use one of {', '.join(KINDS)}")
@@ -370,20 +381,25 @@ class ComputeGraph:
                 raise GraphFormatError(f"{where}{self._label(n)} has unknown phase {data['phase']!r}; "
                                        f"use 'forward' or 'backward'")
             for key in _AMOUNTS:
-                if key not in data:
+                value = data.get(key, _ABSENT)
+                if value is _ABSENT:
                     continue
-                value = data[key]
-                ok = isinstance(value, numbers.Real) and not isinstance(value, bool)
-                if not ok or not math.isfinite(value) or value < 0:
-                    raise GraphFormatError(f"{where}{self._label(n)} has {key}={value!r}; "
-                                           f"give a finite number >= 0")
-                if key in _BYTE_AMOUNTS and value != int(value):
-                    raise GraphFormatError(f"{where}{self._label(n)} has {key}={value!r}; "
-                                           f"give a whole number of bytes")
+                kind = type(value)
+                # (the common cases without a call: graphs of 10^4 nodes are checked on every solve)
+                if (kind is int or (kind is float and key not in _BYTE_AMOUNTS)) and 0 <= value < math.inf:
+                    continue
+                _check_amount(value, key, f"{where}{self._label(n)}")
             for key in _FLAGS:
-                if key in data and not isinstance(data[key], (bool, np.bool_)):
+                if type(data[key]) is not bool and not isinstance(data[key], np.bool_):
                     raise GraphFormatError(f"{where}{self._label(n)} has {key}={data[key]!r}; "
                                            f"give true or false")
+        if "extra_fixed_bytes" in self.meta:
+            _check_amount(self.meta["extra_fixed_bytes"], 'meta["extra_fixed_bytes"]', f"{where}the graph",
+                          whole=True)
+        loops = list(nx.nodes_with_selfloops(self.nx))
+        if loops:
+            raise GraphFormatError(f"{where}{self._label(loops[0])} reads itself (an edge from it to itself); "
+                                   f"a training step is a DAG: remove the edge")
         if not nx.is_directed_acyclic_graph(self.nx):
             cycle = [u for u, _ in nx.find_cycle(self.nx)]
             shown = " -> ".join(repr(u) for u in cycle[:6]) + (" ..." if len(cycle) > 6 else "")
@@ -415,7 +431,8 @@ class ComputeGraph:
             if u in position and v in position and position[u] > position[v]:
                 raise GraphFormatError(
                     f"{where}the reference order is not topological: {self._label(v)} comes before "
-                    f"{self._label(u)}, which it reads; give an order that runs every op after its inputs"
+                    f"{self._label(u)}, which it reads (the edge {u!r} -> {v!r}); give an order that runs every "
+                    f"op after its inputs"
                 )
 
     def _label(self, n: Hashable) -> str:
@@ -566,6 +583,78 @@ def _order_list(order: Any, name: str) -> list:
         where = f"graph {name!r}: " if name else ""
         raise GraphFormatError(f"{where}the reference order is a {type(order).__name__}; give a list of node ids")
     return list(order)
+
+
+def _check_amount(value: Any, key: str, what: str, *, whole: bool | None = None) -> None:
+    """Refuse ``value`` unless it is a finite number >= 0 (a whole one for bytes)."""
+    kind = type(value)
+    if kind is not int and kind is not float:  # (the common cases first: graphs of 10^4 nodes)
+        if isinstance(value, (bool, np.bool_)) or not isinstance(value, numbers.Real):
+            raise GraphFormatError(f"{what} has {key}={value!r}; give a finite number >= 0")
+    if not value >= 0 or not math.isfinite(value):
+        raise GraphFormatError(f"{what} has {key}={value!r}; give a finite number >= 0")
+    if (key in _BYTE_AMOUNTS if whole is None else whole) and kind is not int and value != int(value):
+        raise GraphFormatError(f"{what} has {key}={value!r}; give a whole number of bytes")
+
+
+def validated(graph: Any, *, caller: str = "solve") -> ComputeGraph:
+    """``graph`` checked as :meth:`ComputeGraph.load` checks a file: a
+    :class:`ComputeGraph` with at least one op node that passes
+    :meth:`ComputeGraph.validate`.
+
+    Parameters
+    ----------
+    graph : object
+        What the caller was given.
+    caller : str
+        The function named in the message (``"solve"``: ``solve() takes ...``).
+
+    Returns
+    -------
+    ComputeGraph
+        ``graph`` itself.
+
+    Raises
+    ------
+    GraphFormatError
+        Something else than a :class:`ComputeGraph` (a path, a networkx graph, None,
+        ...: the message says how to make one), a graph without op nodes, or one that
+        :meth:`ComputeGraph.validate` refuses.
+
+    Examples
+    --------
+    >>> validated("g.json")
+    Traceback (most recent call last):
+      ...
+    graphs.errors.GraphFormatError: solve() takes a ComputeGraph, got the str 'g.json'; read a graph file with ComputeGraph.load(path)
+    >>> g = ComputeGraph(); g.add_node("a", bytes=4, time=1.0)
+    >>> validated(g) is g
+    True
+    """
+    # (by name as well: a ComputeGraph of a second copy of this module, as a reload or
+    # an import by path makes, is one too)
+    if not isinstance(graph, ComputeGraph) and type(graph).__name__ != "ComputeGraph":
+        if graph is None:
+            got, how = "None", ("pass the step's graph: graphs.capture(model, ...), ComputeGraph.load(path), "
+                                "or one built with ComputeGraph().add_node(...)/.add_edge(...)")
+        elif isinstance(graph, (str, os.PathLike)):
+            got, how = f"the {type(graph).__name__} {str(graph)!r}", "read a graph file with ComputeGraph.load(path)"
+        elif isinstance(graph, nx.Graph):
+            got = f"a networkx {type(graph).__name__} of {graph.number_of_nodes()} nodes"
+            how = ("wrap a networkx DiGraph as ComputeGraph(g) (nodes with bytes and time, edges from what "
+                   "each node reads)")
+        elif isinstance(graph, dict):
+            got, how = "a dict", "read node-link data with ComputeGraph.from_dict(data)"
+        else:
+            got, how = f"a {type(graph).__name__}", ("pass a ComputeGraph: graphs.capture(model, ...), "
+                                                    "ComputeGraph.load(path) or ComputeGraph(networkx_digraph)")
+        raise GraphFormatError(f"{caller}() takes a ComputeGraph, got {got}; {how}")
+    graph.validate()
+    if not graph.ops_set:
+        where = f"graph {graph.name!r}" if graph.name else "the graph"
+        raise GraphFormatError(f"{where} has no op nodes ({len(graph)} nodes in all): nothing to schedule; "
+                               f"add the step's ops (kind='op') with ComputeGraph.add_node")
+    return graph
 
 
 def _node_link_lists(data: dict[str, Any]) -> tuple[list[dict], list[dict]]:

@@ -32,6 +32,8 @@ from __future__ import annotations
 import argparse
 import json
 import logging
+import math
+import os
 import re
 import sys
 import time
@@ -60,14 +62,40 @@ def parse_budget(text: str, *, store_all_peak: float | None = None) -> int:
     500
     """
     s = text.strip().lower().replace(" ", "")
+    unreadable = f"cannot read budget {text!r}: use bytes, a unit (800MiB, 2GB) or a fraction like 0.8x"
     if s.endswith("x"):
         if store_all_peak is None:
             raise CLIError(f"budget {text!r} is relative but no store-all peak is known")
-        return int(float(s[:-1]) * store_all_peak)
+        if not re.fullmatch(r"[0-9.eE+-]+", s[:-1]):
+            raise CLIError(unreadable)
+        fraction = _finite(s[:-1], text, unreadable)
+        if not fraction > 0:
+            raise CLIError(f"budget {text!r}: give a fraction of the store-all peak above 0, like 0.8x")
+        return int(fraction * store_all_peak)
     m = re.fullmatch(r"([0-9.eE+-]+)([a-z]*)", s)
     if not m or (m.group(2) and m.group(2) not in _UNITS):
-        raise CLIError(f"cannot read budget {text!r}: use bytes, a unit (800MiB, 2GB) or a fraction like 0.8x")
-    return int(float(m.group(1)) * _UNITS.get(m.group(2) or "b", 1))
+        raise CLIError(unreadable)
+    value = _finite(m.group(1), text, unreadable) * _UNITS.get(m.group(2) or "b", 1)
+    if not math.isfinite(value):
+        raise CLIError(f"budget {text!r} is too large: give a finite number of bytes")
+    if not m.group(2) and 0 < value < 1:
+        raise CLIError(f"budget {text!r} reads as {value:g} bytes: for a fraction of the store-all peak write "
+                       f"{m.group(1)}x, for bytes a unit (800MiB, 2GB)")
+    if not value > 0:
+        raise CLIError(f"budget {text!r}: give a positive number of bytes, a unit (800MiB, 2GB) or a fraction "
+                       f"like 0.8x")
+    return int(value)
+
+
+def _finite(number: str, text: str, unreadable: str) -> float:
+    """``number`` as a finite float, or a :class:`CLIError` that quotes ``text``."""
+    try:
+        value = float(number)
+    except ValueError:
+        raise CLIError(unreadable) from None
+    if not math.isfinite(value):
+        raise CLIError(f"budget {text!r} is not finite: give bytes, a unit (800MiB, 2GB) or a fraction like 0.8x")
+    return value
 
 
 class Progress:
@@ -160,7 +188,10 @@ def _load_factory(spec: str):
     fn = getattr(module, fn_name, None)
     if not callable(fn):
         raise CLIError(f"{path} has no function {fn_name!r}")
-    got = fn()
+    try:
+        got = fn()
+    except Exception as exc:  # the user's code: its error, in one line
+        raise CLIError(f"{spec} raised {type(exc).__name__}: {exc}") from None
     if isinstance(got, tuple) and len(got) == 2:
         return got
     return got, None
@@ -299,14 +330,16 @@ def cmd_solve(args) -> dict:
 def cmd_sweep(args) -> dict:
     from solver.errors import InfeasibleBudget, NoScheduleFound, SolverError
     from solver.methods.minpeak import smallest_feasible_peak
-    from solver.solving import solve
+    from solver.solving import get_method, solve
 
+    methods = args.methods.split(",")
+    for m in methods:
+        get_method(m)  # an unknown name ends the command before any work, not as rows of errors
     graph = _load_graph(args.graph)
     peak = _store_all_peak(graph)
     low, _, _ = smallest_feasible_peak(graph)
     n = max(2, args.points)
     budgets = [int(low + (peak - low) * i / (n - 1)) for i in range(n)]
-    methods = args.methods.split(",")
     bar = Progress(len(budgets) * len(methods), "sweep", enabled=not args.json)
     rows = []
     for m in methods:
@@ -518,27 +551,50 @@ def main(argv: Sequence[str] | None = None) -> int:
     args = parser.parse_args(argv)
     logging.basicConfig(level=logging.INFO if args.verbose else logging.WARNING, format="%(message)s")
     from graphs.errors import RematError
+    from solver.errors import InfeasibleBudget
 
     as_json = getattr(args, "json", False)
     try:
-        if as_json:
-            # stdout carries the JSON alone: whatever else writes to it (a native
-            # library included) goes to stderr while the command runs
-            from solver.lp_backend import stdout_to_stderr
+        try:
+            if as_json:
+                # stdout carries the JSON alone: whatever else writes to it (a native
+                # library included) goes to stderr while the command runs
+                from solver.lp_backend import stdout_to_stderr
 
-            with stdout_to_stderr():
+                with stdout_to_stderr():
+                    result = args.fn(args)
+            else:
                 result = args.fn(args)
-        else:
-            result = args.fn(args)
-    except (CLIError, RematError, ValueError, OSError, ImportError, TypeError) as exc:
-        msg = " ".join(str(exc).split())
+        except (CLIError, RematError, ValueError, OSError, ImportError, TypeError, OverflowError) as exc:
+            if isinstance(exc, BrokenPipeError):
+                raise
+            msg = " ".join(str(exc).split())
+            if isinstance(exc, InfeasibleBudget) and _plain_number(getattr(args, "budget", None)):
+                msg += f" (--budget {args.budget} is bytes; a fraction of the store-all peak is written {args.budget}x)"
+            if as_json:
+                print(json.dumps({"error": msg, "type": type(exc).__name__}))
+            print(f"remat: error: {msg}", file=sys.stderr)
+            return 2 if isinstance(exc, CLIError) else 1
         if as_json:
-            print(json.dumps({"error": msg, "type": type(exc).__name__}))
-        print(f"remat: error: {msg}", file=sys.stderr)
-        return 2 if isinstance(exc, CLIError) else 1
-    if as_json:
-        print(json.dumps(result, default=str))
+            print(json.dumps(result, default=str))
+        sys.stdout.flush()
+    except BrokenPipeError:
+        # the reader left (``remat sweep ... | head``): end quietly, as Unix tools do
+        # when a write finds the pipe closed (killed by SIGPIPE: status 128 + 13), with
+        # stdout pointed at nothing so that the flush at exit does not fail again
+        devnull = os.open(os.devnull, os.O_WRONLY)
+        os.dup2(devnull, sys.stdout.fileno())
+        os.close(devnull)
+        return 128 + 13
     return 0
+
+
+def _plain_number(text: str | None) -> bool:
+    """Whether a ``--budget`` is a small number without a unit (a fraction meant as ``0.9x``?)."""
+    try:
+        return text is not None and 0 < float(text) <= 100
+    except ValueError:
+        return False
 
 
 if __name__ == "__main__":

@@ -1,21 +1,25 @@
 """One call shape for every solver: :func:`solve` and the method table it reads.
 
-:func:`solve` validates the budget, calls the method registered under that name
-(``"auto"`` included), and grades the result with :func:`solver.simulate` -- methods
-never grade themselves.
+:func:`solve` validates its arguments before any work (the graph as
+:meth:`ComputeGraph.load` does, the budget, the time limit and the method's options),
+calls the method registered under that name (``"auto"`` included), and grades the
+result with :func:`solver.simulate` -- methods never grade themselves.
 """
 
 from __future__ import annotations
 
+import math
+import numbers
 import time
 
 from graphs import ComputeGraph
+from graphs.compute_graph import validated
 from solver.errors import BudgetNotReached, InfeasibleBudget, NoScheduleFound
 from solver.grading import check_budget, culprit_label, grade
-from solver.registry import MethodInfo, registered
+from solver.registry import MethodInfo, OptionError, registered
 from solver.schedule import Schedule
 
-__all__ = ["methods", "get_method", "solve", "check_budget", "checked_budget", "grade"]
+__all__ = ["methods", "get_method", "solve", "check_budget", "checked_budget", "checked_time_limit", "grade"]
 
 
 def _load_all() -> None:
@@ -36,13 +40,50 @@ def methods() -> dict[str, MethodInfo]:
 
 
 def get_method(name: str) -> MethodInfo:
+    """The registered method ``name``.
+
+    Raises
+    ------
+    OptionError
+        No method has that name (a :class:`ValueError`); the message lists them.
+
+    Examples
+    --------
+    >>> get_method("store_all").family
+    'baseline'
+    """
     _load_all()
     try:
         return registered()[name]
-    except KeyError:
-        raise ValueError(
+    except (KeyError, TypeError):
+        raise OptionError(
             f"unknown method {name!r}; choose one of {', '.join(registered())}"
         ) from None
+
+
+def checked_time_limit(time_limit) -> float | None:
+    """``time_limit`` as seconds: None (no limit) or a number >= 0; infinity reads as None.
+
+    Raises
+    ------
+    OptionError
+        A string, a boolean, NaN or a negative number.
+
+    Examples
+    --------
+    >>> checked_time_limit(2), checked_time_limit(float("inf"))
+    (2.0, None)
+    """
+    if time_limit is None:
+        return None
+    if isinstance(time_limit, bool) or not isinstance(time_limit, numbers.Real) or not time_limit >= 0:
+        raise OptionError(f"time_limit must be seconds >= 0 or None (no limit), got {time_limit!r}")
+    return None if math.isinf(time_limit) else float(time_limit)
+
+
+def _left(t0: float, time_limit: float | None) -> float | None:
+    """Seconds left of ``time_limit`` counted from ``t0`` (None: no limit)."""
+    return None if time_limit is None else max(0.0, t0 + time_limit - time.perf_counter())
 
 
 def solve(
@@ -68,7 +109,9 @@ def solve(
         within 10 % or a second); exact methods stop there with the best schedule and
         its gap.
     **options
-        Passed to the method (e.g. ``bandwidth`` for offload, ``k`` for every-k).
+        Passed to the method (e.g. ``bandwidth`` for offload, ``k`` for every-k); one
+        that it does not take raises :class:`~solver.registry.OptionError`
+        (``methods()[name].options`` lists those it takes).
 
     Returns
     -------
@@ -77,8 +120,16 @@ def solve(
 
     Raises
     ------
+    GraphFormatError
+        ``graph`` is not a :class:`ComputeGraph` (a path, a networkx graph, None: the
+        message says how to make one), has no op node, or fails
+        :meth:`ComputeGraph.validate` (negative, NaN or non-numeric bytes or times, an
+        unknown kind, a cycle, a reference order that is not topological).
+    OptionError
+        An unknown method, an option the method does not take, or a time limit that is
+        not a number >= 0.
     ValueError
-        A zero, negative or NaN budget.
+        A zero, negative, NaN or non-numeric budget.
     InfeasibleBudget
         No schedule fits; the exception carries the smallest feasible peak. Before an
         exact method (``cpsat``, ``checkmate_milp``, ``stage_milp``), which would spend
@@ -99,20 +150,23 @@ def solve(
     >>> solve(g, 100, method="store_all").sequence
     [0, 1, 2, 3]
     """
-    info = get_method(method)
     t0 = time.perf_counter()
-    budget = checked_budget(graph, budget_bytes, method=method, time_limit=time_limit)
+    info = get_method(method)
+    info.check_options(options)
+    time_limit = checked_time_limit(time_limit)
+    validated(graph, caller="solve")
+    if isinstance(budget_bytes, (str, bytes, bool)):
+        raise ValueError(f"budget must be a number of bytes, got {budget_bytes!r}")
+    budget = checked_budget(graph, budget_bytes, method=method, time_limit=_left(t0, time_limit))
     if info.family == "exact":
         # an exact method spends its whole limit on a budget nothing fits (and leaves no
         # time for the figures): a short probe of the peak bounds first
-        ruled = _ruled_out(graph, budget, None if time_limit is None else
-                           t0 + float(time_limit) - time.perf_counter())
+        ruled = _ruled_out(graph, budget, _left(t0, time_limit))
         if ruled is not None:
             raise ruled
-        if time_limit is not None:
-            time_limit = max(0.0, t0 + float(time_limit) - time.perf_counter())
     try:
-        schedule = info.fn(graph, budget, time_limit=time_limit, **options)
+        # (the checks above count in the limit)
+        schedule = info.fn(graph, budget, time_limit=_left(t0, time_limit), **options)
         schedule.method = schedule.method or method
     except NoScheduleFound as exc:
         left = None if time_limit is None else t0 + float(time_limit) - time.perf_counter()

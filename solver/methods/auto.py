@@ -201,7 +201,8 @@ def _default_limit(n: int) -> float:
     return 10.0 if n <= 300 else 60.0
 
 
-def solve_auto(graph: ComputeGraph, budget: int, *, time_limit: float | None = None, **options) -> Schedule:
+def solve_auto(graph: ComputeGraph, budget: int, *, time_limit: float | None = None, exact: bool | None = None,
+               bound: bool = True, drop: bool = True, gap_tolerance: float = GAP_TOLERANCE) -> Schedule:
     """Pick methods by graph shape and size; return the best simulated valid schedule.
 
     Parameters
@@ -217,11 +218,15 @@ def solve_auto(graph: ComputeGraph, budget: int, *, time_limit: float | None = N
         :data:`STAGE_MILP_ONE_UNLIMITED_SECONDS`); capped slices for the stage bounds,
         and the MILP's bound only up to :data:`BOUND_MAX_OPS` ops. With one, fast
         heuristics run first; exact methods and the bound get what is left.
-    **options
-        ``exact=False`` skips the exact methods; ``bound=False`` skips the lower bound;
-        ``drop=False`` keeps the winner's recomputations as they are;
-        ``gap_tolerance`` (default :data:`GAP_TOLERANCE`, 1 %): once the proven gap on
-        the extra compute is at most this, auto stops searching and proving and returns.
+    exact : bool, optional
+        False skips the exact methods (default: they run with a time limit).
+    bound : bool
+        False skips the lower bound.
+    drop : bool
+        False keeps the winner's recomputations as they are.
+    gap_tolerance : float
+        Default :data:`GAP_TOLERANCE`, 1 %: once the proven gap on the extra compute
+        is at most this, auto stops searching and proving and returns.
 
     Returns
     -------
@@ -260,11 +265,11 @@ def solve_auto(graph: ComputeGraph, budget: int, *, time_limit: float | None = N
     unlimited = time_limit is None
     limit = _default_limit(n) if unlimited else float(time_limit)
     deadline = t0 + limit
-    asked_exact = options.pop("exact", None)
+    asked_exact = exact
     use_exact = (not unlimited) if asked_exact is None else bool(asked_exact)
-    use_bound = options.pop("bound", True)
-    use_drop = options.pop("drop", True)
-    tolerance = float(options.pop("gap_tolerance", GAP_TOLERANCE))
+    use_bound = bound
+    use_drop = drop
+    tolerance = float(gap_tolerance)
     if not tolerance >= 0:
         raise ValueError(f"gap_tolerance must be a fraction >= 0, got {tolerance!r}")
     training = bool(graph.backward_nodes())

@@ -35,7 +35,7 @@ __all__ = ["store_all", "checkpoint_all", "every_k", "chen_sqrt", "chen_greedy"]
 
 
 @register("store_all", family="baseline", order="fixed")
-def store_all(graph: ComputeGraph, budget_bytes: int | None = None, *, time_limit=None, **_) -> Schedule:
+def store_all(graph: ComputeGraph, budget_bytes: int | None = None, *, time_limit=None) -> Schedule:
     """Run every op once in the reference order and keep each value until its last use.
 
     Examples
@@ -90,7 +90,7 @@ def _keep_every(stages, k: int) -> set:
 
 
 @register("checkpoint_all", family="baseline", order="fixed")
-def checkpoint_all(graph: ComputeGraph, budget_bytes: int, *, time_limit=None, **_) -> Schedule:
+def checkpoint_all(graph: ComputeGraph, budget_bytes: int, *, time_limit=None) -> Schedule:
     """Keep no forward value beyond what is forced; recompute everything for each stage.
 
     The memory-lean end of Chen et al.'s family: only non-recomputable values and step
@@ -156,7 +156,7 @@ def _outward(count: int) -> list[int]:
 
 
 @register("every_k", family="baseline", order="fixed")
-def every_k(graph: ComputeGraph, budget_bytes: int, *, time_limit=None, k: int | None = None, **_) -> Schedule:
+def every_k(graph: ComputeGraph, budget_bytes: int, *, time_limit=None, k: int | None = None) -> Schedule:
     """Checkpoint the boundary of every ``k``-th stage; recompute each segment once.
 
     Parameters
@@ -211,7 +211,7 @@ def every_k(graph: ComputeGraph, budget_bytes: int, *, time_limit=None, k: int |
 
 
 @register("chen_sqrt", family="baseline", order="fixed")
-def chen_sqrt(graph: ComputeGraph, budget_bytes: int, *, time_limit=None, **_) -> Schedule:
+def chen_sqrt(graph: ComputeGraph, budget_bytes: int, *, time_limit=None) -> Schedule:
     """Chen et al.'s sqrt(n) plan: about sqrt(S) equal segments of the S-stage chain.
 
     Store-all when it fits the budget (no recomputation needed), else checkpoint the
@@ -281,7 +281,7 @@ def _stage_bytes(graph, st) -> int:
 
 @register("chen_greedy", family="baseline", order="fixed")
 def chen_greedy(
-    graph: ComputeGraph, budget_bytes: int, *, time_limit=None, thresholds: int = 48, **_
+    graph: ComputeGraph, budget_bytes: int, *, time_limit=None, thresholds: int = 48
 ) -> Schedule:
     """Chen et al.'s greedy plan, its per-segment memory threshold searched.
 

@@ -684,7 +684,7 @@ def _search(graph: ComputeGraph, chain: BlockChain, budget: int, slots: int, dea
 
 @register("block_dp", family="large", order="fixed")
 def block_dp(graph: ComputeGraph, budget_bytes: int, *, time_limit: float | None = None,
-             levels: int = LEVELS, slots: int = SLOTS, min_repeats: int = 0, **_) -> Schedule:
+             levels: int = LEVELS, slots: int = SLOTS, min_repeats: int = 0) -> Schedule:
     """Solve each distinct layer block exactly, compose the blocks by a DP (module docstring).
 
     Parameters

@@ -726,7 +726,6 @@ def chain_dp(
     time_limit=None,
     slots: int | None = None,
     nonpersistent: bool | None = None,
-    **_,
 ) -> Schedule:
     """Optimal rotor-style checkpointing of the graph's stage chain.
 

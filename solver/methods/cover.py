@@ -297,7 +297,7 @@ def relieved_from_keep(graph: ComputeGraph, keep, budget_bytes: int, *, deadline
 
 @register("cover", family="heuristic", order="fixed")
 def cover(graph: ComputeGraph, budget_bytes: int, *, time_limit: float | None = None,
-          margins: tuple = MARGINS, ix: IndexedGraph | None = None, **_) -> Schedule:
+          margins: tuple = MARGINS, ix: IndexedGraph | None = None) -> Schedule:
     """Keep for the backward what the covering MILP keeps (:func:`cover_keep`), relieve
     what is still over the budget, drop what the budget does not need; the cheapest over
     ``margins``.

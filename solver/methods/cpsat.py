@@ -231,7 +231,6 @@ def cpsat(
     hint: Schedule | Sequence[Hashable] | None = None,
     copies: int | str | None = "auto",
     workers: int = 1,
-    **_,
 ) -> Schedule:
     """CP-SAT with retention intervals (Moccasin-style, Bartan et al., ICML 2023).
 

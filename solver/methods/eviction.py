@@ -412,7 +412,6 @@ def eviction(
     time_limit: float | None = None,
     scores: Sequence[str] = SCORES,
     ix: IndexedGraph | None = None,
-    **_,
 ) -> Schedule:
     """DTR-style eviction with on-demand recomputation on the reference order.
 
@@ -707,7 +706,6 @@ def order_search(
     seed: int = 0,
     patience: int = 4,
     stall: int | None = None,
-    **_,
 ) -> Schedule:
     """Memory-aware order search, then eviction: zero recomputation where reordering suffices.
 

@@ -31,7 +31,7 @@ DROPPED = 0.02
 
 @register("lp_eviction", family="heuristic", order="fixed")
 def lp_eviction(graph: ComputeGraph, budget_bytes: int, *, time_limit: float | None = None,
-                scores: tuple = SCORES, ix: IndexedGraph | None = None, **_) -> Schedule:
+                scores: tuple = SCORES, ix: IndexedGraph | None = None) -> Schedule:
     """Eviction on the reference order with scores scaled by the stage LP's plan.
 
     Parameters

@@ -159,7 +159,9 @@ def expand(coarsening: Coarsening, sequence: list) -> list:
 
 
 @register("hierarchical", family="large", order="free")
-def hierarchical(graph: ComputeGraph, budget_bytes: int, *, time_limit: float | None = None, **options) -> Schedule:
+def hierarchical(graph: ComputeGraph, budget_bytes: int, *, time_limit: float | None = None,
+                 exact: bool | None = None, bound: bool = True, drop: bool = True,
+                 gap_tolerance: float | None = None) -> Schedule:
     """Coarsen linear runs, solve the coarse graph with ``auto``, expand the schedule.
 
     Parameters
@@ -169,8 +171,10 @@ def hierarchical(graph: ComputeGraph, budget_bytes: int, *, time_limit: float | 
     time_limit : float, optional
         Seconds in all: the coarse solve gets :data:`COARSE_SHARE` of those left after
         coarsening, and where it finds nothing, the solve of the original graph the rest.
-    **options
-        Passed to the coarse solve.
+    exact, bound, drop, gap_tolerance
+        ``auto``'s options (:func:`~solver.methods.auto.solve_auto`; ``gap_tolerance``
+        None: its default), passed to its solves; the coarse solve never computes a
+        bound (one on the coarse graph is no bound on the original).
 
     Returns
     -------
@@ -202,6 +206,9 @@ def hierarchical(graph: ComputeGraph, budget_bytes: int, *, time_limit: float | 
     from solver.deadline import Deadline, OutOfTime
     from solver.errors import NoScheduleFound, SolverError
 
+    options = {"exact": exact, "bound": bound, "drop": drop}
+    if gap_tolerance is not None:
+        options["gap_tolerance"] = gap_tolerance
     deadline = Deadline(time_limit)
     c = coarsen(graph)
     if c.fused:

@@ -266,8 +266,7 @@ def lp_starts(graph: ComputeGraph, budget_bytes: int, *, deadline: float, rounds
 
 
 @register("lns", family="search", order="fixed")
-def lns(graph: ComputeGraph, budget_bytes: int, *, time_limit: float | None = None, seed: int = 0,
-        **_) -> Schedule:
+def lns(graph: ComputeGraph, budget_bytes: int, *, time_limit: float | None = None, seed: int = 0) -> Schedule:
     """Large neighbourhood search from the cheapest of ``cover``, ``lp_eviction``,
     staged recomputation and the stage LP's plans (:func:`lp_starts`) on the reference
     order, built in that order while their share of the time lasts.

@@ -389,7 +389,6 @@ def checkmate_milp(
     time_limit: float | None = None,
     hint: Schedule | Sequence[Hashable] | None = None,
     backend: str = "SCIP",
-    **_,
 ) -> Schedule:
     """Checkmate's MILP (Jain et al., MLSys 2020) with a correct FREE linearization.
 

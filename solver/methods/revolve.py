@@ -198,7 +198,7 @@ def stage_sequence(stages: list[Stage], actions: list[tuple], *, deadline: Deadl
 
 
 @register("revolve", family="baseline", order="fixed")
-def revolve(graph: ComputeGraph, budget_bytes: int, *, time_limit=None, slots: int | None = None, **_) -> Schedule:
+def revolve(graph: ComputeGraph, budget_bytes: int, *, time_limit=None, slots: int | None = None) -> Schedule:
     """Griewank's binomial checkpointing on the stage chain, uniform stages assumed.
 
     The graph's stages (:func:`solver.plans.forward_stages`) are the chain's steps. The

@@ -194,7 +194,7 @@ def _repaired(graph: ComputeGraph, ix: IndexedGraph, sequence: list, budget: int
 def stage_milp(graph: ComputeGraph, budget_bytes: int, *, time_limit: float | None = None,
                first: int | None = None, more: int | None = None, rounds: int = ROUNDS,
                enough: float | None = None, hold_rounds: bool | None = None,
-               soft_limit: float | None = None, give_up_over: float | None = None, **_) -> Schedule:
+               soft_limit: float | None = None, give_up_over: float | None = None) -> Schedule:
     """The 0/1 stage program at the steps over the budget, solved, as a schedule, with
     boundaries added where its sequence goes over the budget (see the module).
 
