@@ -35,7 +35,7 @@ from torch import nn
 from graphs.graph_mode import COMPILERS
 from graphs.planned import wrap_planned
 from graphs.units import GiB
-from solver.checks import Session, split_inputs
+from solver.checks import PlanningInputs, Session, split_inputs
 from solver.data_parallel import data_parallel
 from solver.errors import OptionError
 from solver.fixed import optimizer_state_bytes
@@ -91,6 +91,8 @@ def optimize(
     example_inputs : tuple or dict, optional
         Positional or keyword arguments of ``model``. Given: plan now (errors such as
         an infeasible budget are raised here, and the model is left untouched).
+        Planning runs on copies of them: the user's tensors keep their values (a model
+        that writes into its input in place), ``.grad`` and version counters.
         Omitted: plan lazily on the first training call, from the real batch, and again
         whenever input shapes change (like ``torch.compile``).
     method : str
@@ -195,6 +197,13 @@ def optimize(
 
     Raises
     ------
+    OptionError
+        Before any work: an option of the wrong type or out of its range (``budget_gb``
+        not a positive number, a bool included; ``time_limit`` not a positive number of
+        seconds; ``blocks`` naming no submodule; an unknown ``method``, or one given with
+        ``mode="module"``; ``optimizer`` not an optimizer), a module returned by
+        ``optimize`` already, or a ``torch.compile``'d module (pass the uncompiled model
+        and compile the module returned).
     InfeasibleBudget
         The budget is below the smallest feasible peak; the message names that peak.
     CaptureError
@@ -256,8 +265,13 @@ def optimize(
         if example_inputs is not None:
             wrapper.remat_plan_now(*split_inputs(example_inputs))
     wrapper.__dict__[SESSION] = session
-    if verify:
-        verify_into(wrapper, example_inputs, session=session, original=None if request.dp else model)
+    if verify:  # on copies of the inputs, as planning: the user's are not written
+        copies = PlanningInputs(*split_inputs(example_inputs))
+        try:
+            verify_into(wrapper, copies.kwargs if isinstance(example_inputs, dict) else copies.args,
+                        session=session, original=None if request.dp else model)
+        finally:
+            copies.release()
     return wrapper
 
 
@@ -329,23 +343,21 @@ def _request(model: nn.Module, budget_gb: float, *, mode: str, method: str, time
              loss_fn: Callable[[Any], torch.Tensor] | None, watch: str) -> Request:
     """The options of :func:`optimize`, read and checked before anything is captured."""
     if loss_fn is not None and not callable(loss_fn):
-        raise TypeError(f"loss_fn must be a callable output -> scalar loss, got {type(loss_fn).__name__}")
+        raise OptionError(f"loss_fn must be a callable output -> scalar loss, got {type(loss_fn).__name__}")
     if watch not in WATCH:
-        raise ValueError(f"watch must be one of {WATCH}, got {watch!r}")
-    if mode not in ("graph", "module"):
-        raise ValueError(f"mode must be 'graph' or 'module', got {mode!r}")
+        raise OptionError(f"watch must be one of {WATCH}, got {watch!r}")
     if compiler not in COMPILERS:
-        raise ValueError(f"compiler must be one of {COMPILERS}, got {compiler!r}")
+        raise OptionError(f"compiler must be one of {COMPILERS}, got {compiler!r}")
     if compiler != "eager" and (mode != "graph" or sharding is not None):
-        raise ValueError(f"compiler={compiler!r} compiles graph mode's scheduled graphs in one process; "
+        raise OptionError(f"compiler={compiler!r} compiles graph mode's scheduled graphs in one process; "
                          "use mode='graph' without sharding, or compiler='eager'")
     dp = data_parallel(sharding=sharding, mode=mode, world_size=world_size, mesh=mesh, options=sharding_options)
     if dp is not None:
         if not planned_now:
-            raise ValueError(f"sharding={sharding!r} needs example_inputs (this rank's local batch): the plan is made "
+            raise OptionError(f"sharding={sharding!r} needs example_inputs (this rank's local batch): the plan is made "
                              "before the model is wrapped")
         if activation_budget and dp.sharding == "fsdp":
-            raise ValueError("activation_budget=True is not available with sharding='fsdp' (a rank's fixed "
+            raise OptionError("activation_budget=True is not available with sharding='fsdp' (a rank's fixed "
                              "memory changes during the step); give the whole per-rank budget")
         dp.require_process_group()
     budget_bytes = float(budget_gb) * GiB
