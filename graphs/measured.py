@@ -85,7 +85,10 @@ def _schedule_runner(cg: ComputeGraph, sequence: Sequence[Hashable]) -> tuple[St
     values = real_placeholder_values(placeholders, info.step, info.flat_inputs)
     by_name = dict(zip((p.name for p in placeholders), values))
     primal_values = [by_name[p.name] for p in primals]
-    tangent_specs = [by_name[t.name] for t in tangents]  # ones, shaped like the outputs
+    # the output gradients' shapes only: the run makes them where the backward starts, so
+    # that nothing beyond the resident values is held outside the measured run
+    tangent_specs = [(by_name[t.name].to("meta"), by_name[t.name].device) for t in tangents]
+    del values, by_name
     num_out = num_fwd
 
     def run(make: Callable[[fx.GraphModule], fx.Interpreter]) -> None:
@@ -95,7 +98,7 @@ def _schedule_runner(cg: ComputeGraph, sequence: Sequence[Hashable]) -> tuple[St
         del outs
         bw_in = [n for n in bw.graph.nodes if n.op == "placeholder"]
         # the output gradients arrive when the backward starts
-        env = dict(zip(bw_in, saved + [torch.ones_like(t) for t in tangent_specs]))
+        env = dict(zip(bw_in, saved + [torch.ones_like(t, device=d) for t, d in tangent_specs]))
         del saved
         grads = make(bw).run(initial_env=env, enable_io_processing=False)
         del env, grads, held

@@ -584,3 +584,25 @@ def at_backward_end(callback: Any) -> None:
     autograd engine's final callbacks, as FSDP uses them). Call it from a hook that
     runs during backward."""
     torch.autograd.Variable._execution_engine.queue_callback(callback)
+
+
+# ---------------------------------------------------------------- torch.compile
+__all__ += ["is_compiled_module"]
+
+
+def is_compiled_module(module: Any) -> bool:
+    """Whether ``module`` is what ``torch.compile(model)`` returns (Dynamo's
+    ``OptimizedModule``, which runs its wrapped model through a compiled frame).
+    Dynamo is not imported for this: a process that has not imported it has no
+    compiled module.
+
+    Examples
+    --------
+    >>> is_compiled_module(torch.nn.Linear(2, 2))
+    False
+    """
+    import sys
+
+    eval_frame = sys.modules.get("torch._dynamo.eval_frame")
+    cls = getattr(eval_frame, "OptimizedModule", None)
+    return cls is not None and isinstance(module, cls)

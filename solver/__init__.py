@@ -7,7 +7,7 @@ The algorithms see only a :class:`graphs.ComputeGraph` (pure graph math);
 # the method package first: importing it later would rebind ``solver.methods`` (the
 # function below) to the package
 import solver.methods as _method_package  # noqa: F401  (registers every method)
-from solver.errors import BudgetNotReached, InfeasibleBudget, NoScheduleFound, RematError, SolverError
+from solver.errors import BudgetNotReached, InfeasibleBudget, NoScheduleFound, OptionError, RematError, SolverError
 from solver.feasibility import peak_lower_bound
 from solver.fixed import optimizer_state_bytes
 from solver.registry import MethodInfo, register
@@ -44,6 +44,7 @@ __all__ = [
     "MethodInfo",
     "NoScheduleFound",
     "Offload",
+    "OptionError",
     "RematError",
     "Schedule",
     "SimulationResult",

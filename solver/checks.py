@@ -8,21 +8,22 @@ buffers (BatchNorm statistics) and the random generators.
 from __future__ import annotations
 
 import contextlib
+import functools
 from dataclasses import dataclass, field
-from typing import Any, Callable
+from typing import Any, Callable, Iterator
 
 import torch
 from torch import nn
 
 from graphs import RematError
 from graphs.capture import default_loss
-from graphs.memory import AllocatorPeak, judge_available
+from graphs.memory import AllocatorPeak, judge_available, resident_bytes
 from graphs.units import format_bytes
 from solver.errors import InfeasibleBudget, SolverError
 from solver.fixed import untracked_bytes
 from solver.report import Report
 
-__all__ = ["Session", "Reproduction", "fit_measured", "measured_peak", "reproduces", "self_check", "step_undone"]
+__all__ = ["Session", "PlanningInputs", "Reproduction", "buffers_kept", "GradientPrint", "fit_measured", "measured_peak", "reproduces", "self_check", "step_undone"]
 
 
 @dataclass
@@ -34,11 +35,15 @@ class Session:
     modules: list = field(default_factory=list)
     loss_fn: Callable[[Any], Any] | None = None  # the user's loss, when optimize was given one
     planning_peak: int | None = None  # the highest allocator peak of planning's own runs
+    inputs: "PlanningInputs | None" = None  # the copies of the example inputs that planning runs on
 
     def saw(self, peak: int | None) -> None:
-        """Count the allocator's peak of one of planning's runs (None: not measured)."""
+        """Count the allocator's peak of one of planning's runs (None: not measured),
+        with what planning holds beside the run's own roots: the user's example inputs,
+        beside the copies the run uses."""
         if peak is not None:
-            self.planning_peak = max(self.planning_peak or 0, int(peak))
+            beside = self.inputs.beside_bytes if self.inputs is not None else 0
+            self.planning_peak = max(self.planning_peak or 0, int(peak) + beside)
 
     def publish(self) -> None:
         """Show the latest report on every module of the call."""
@@ -63,35 +68,130 @@ def not_real(args: tuple, kwargs: dict) -> bool:
     return any(t.device.type == "meta" or type(t).__name__ == "FakeTensor" for t in flat)
 
 
+class PlanningInputs:
+    """Copies of the example inputs for planning's runs, so that the user's tensors are
+    never changed: not their values (a model that writes into its input in place), not
+    their ``.grad`` (an input that requires a gradient), not their version counters.
+    :meth:`reset` gives every run the user's values again; :meth:`release` frees the
+    copies' memory once planning is done (whatever still refers to them, such as a
+    captured graph kept for the report, then holds no memory). Meta and fake inputs
+    are used as they are (nothing runs on them).
+
+    Examples
+    --------
+    >>> x = torch.ones(3, requires_grad=True)
+    >>> inputs = PlanningInputs((x,), {})
+    >>> (c,), _ = inputs.args, inputs.kwargs
+    >>> c is not x and c.requires_grad and c.is_leaf
+    True
+    >>> (c * 2).sum().backward(); x.grad is None
+    True
+    >>> inputs.reset(); c.grad is None
+    True
+    """
+
+    def __init__(self, args: tuple, kwargs: dict) -> None:
+        from graphs.torch_internals import tree_flatten, tree_unflatten
+
+        self.pairs: list[tuple[torch.Tensor, torch.Tensor]] = []
+        if not_real(args, kwargs):
+            self.args, self.kwargs = args, kwargs
+            self.beside_bytes = 0
+            return
+        flat, spec = tree_flatten((args, kwargs))
+        out, made = [], {}
+        for t in flat:
+            if isinstance(t, torch.Tensor):
+                if id(t) not in made:  # one copy of a tensor passed twice
+                    made[id(t)] = c = t.detach().clone()
+                    c.requires_grad_(t.requires_grad)
+                    self.pairs.append((c, t))
+                t = made[id(t)]
+            out.append(t)
+        self.args, self.kwargs = tree_unflatten(out, spec)
+        self.beside_bytes = resident_bytes([t for _, t in self.pairs])
+
+    def reset(self) -> None:
+        """The copies as the user's tensors are (values, ``requires_grad``), no gradients."""
+        with torch.no_grad():
+            for c, t in self.pairs:
+                if c.shape != t.shape or c.dtype != t.dtype:  # a run resized it in place
+                    c.set_(t.detach().clone())
+                else:
+                    c.copy_(t)
+                c.grad = None
+                if c.is_leaf:
+                    c.requires_grad_(t.requires_grad)
+
+    def release(self) -> None:
+        """Free the copies' memory (each keeps its object, with no elements)."""
+        with torch.no_grad():
+            for c, _ in self.pairs:
+                c.grad = None
+                c.set_(torch.empty(0, dtype=c.dtype, device=c.device))
+        self.pairs = []
+
+
 @contextlib.contextmanager
-def step_undone(model: nn.Module):
-    """Run a training step whose effects are undone afterwards: gradients start as None and
-    are put back as found, buffers (BatchNorm statistics) are restored, the RNG forked."""
-    params = list(model.parameters())
-    saved = [p.grad for p in params]
+def buffers_kept(model: nn.Module) -> Iterator[list[torch.Tensor]]:
+    """Put the model's buffers (BatchNorm statistics) back as found after the block;
+    yields the copies it holds meanwhile."""
     buffers = [(b, b.detach().clone()) for b in model.buffers()]
     try:
-        for p in params:
-            p.grad = None
-        with torch.random.fork_rng():
-            yield
+        yield [v for _, v in buffers]
     finally:
-        for p, g in zip(params, saved):
-            p.grad = g
         with torch.no_grad():
             for b, v in buffers:
                 b.copy_(v)
 
 
+@contextlib.contextmanager
+def step_undone(model: nn.Module, *, inputs: PlanningInputs | None = None,
+                buffers: bool = True) -> Iterator[list[torch.Tensor]]:
+    """Run a training step whose effects are undone afterwards: gradients start as None and
+    are put back as found, buffers (BatchNorm statistics) are restored, the RNG forked;
+    ``inputs`` (planning's copies of the example inputs) start as the user's. Yields the
+    tensors it holds meanwhile (the gradients put aside, the buffers' copies), which
+    count in a measured peak beside the model's own. ``buffers=False``: the caller keeps
+    the buffers (:func:`buffers_kept`)."""
+    params = list(model.parameters())
+    saved = [p.grad for p in params]
+    if inputs is not None:
+        inputs.reset()
+    try:
+        for p in params:
+            p.grad = None
+        with buffers_kept(model) if buffers else contextlib.nullcontext([]) as copies, rng_forked() as states:
+            yield [g for g in saved if g is not None] + copies + states
+    finally:
+        for p, g in zip(params, saved):
+            p.grad = g
+
+
+@contextlib.contextmanager
+def rng_forked() -> Iterator[list[torch.Tensor]]:
+    """The random generators (CPU, and CUDA once initialized) put back as found after
+    the block, as ``torch.random.fork_rng``; yields the saved states it holds."""
+    cuda = torch.cuda.is_available() and torch.cuda.is_initialized()
+    states = [torch.get_rng_state()] + (list(torch.cuda.get_rng_state_all()) if cuda else [])
+    try:
+        yield states
+    finally:
+        torch.set_rng_state(states[0])
+        if cuda:
+            torch.cuda.set_rng_state_all(states[1:])
+
+
 def measured_peak(model: nn.Module, run: Callable[[], Any], args: tuple, kwargs: dict, *,
-                  loss_fn: Callable[[Any], Any] | None = None) -> int | None:
+                  loss_fn: Callable[[Any], Any] | None = None, inputs: PlanningInputs | None = None) -> int | None:
     """Peak bytes of one training step ``run()`` (forward, ``loss_fn`` or the default
     loss, backward) of ``model``, by the allocator (:class:`graphs.memory.AllocatorPeak`,
-    parameters, buffers and inputs included); None for meta or fake inputs, and on CPU
-    inside another torch profiler. Gradients, buffers and the RNG are left as found."""
+    parameters, buffers and inputs included, and what :func:`step_undone` holds); None
+    for meta or fake inputs, and on CPU inside another torch profiler. Gradients,
+    buffers and the RNG are left as found; ``inputs``: reset first."""
     if not_real(args, kwargs) or not judge_available(model, (args, kwargs)):
         return None  # nothing real to run, or no judge
-    with step_undone(model), AllocatorPeak(model, (args, kwargs)) as judge:
+    with step_undone(model, inputs=inputs) as held, AllocatorPeak(model, (args, kwargs), held) as judge:
         out = run()  # held during backward, as verify does
         (loss_fn or default_loss)(out).backward()
         del out
@@ -128,7 +228,7 @@ def fit_measured(model: nn.Module, *, make: Callable[[int], Any], run: Callable[
         extra = untracked_bytes(report.graph)
         peak = report.checked_peak_bytes
         if peak is None:
-            measured = measured_peak(model, run(out), args, kwargs, loss_fn=loss_fn)
+            measured = measured_peak(model, run(out), args, kwargs, loss_fn=loss_fn, inputs=session.inputs)
             if measured is None:
                 return out
             peak = report.checked_peak_bytes = measured + extra
@@ -165,7 +265,7 @@ def _smallest_plan(model: nn.Module, exc: InfeasibleBudget, *, make: Callable[[i
         plan = make(budget - exc.smallest_feasible_bytes)  # the margin that plans for the smallest peak
     except RematError:
         return None
-    measured = measured_peak(model, run(plan), args, kwargs, loss_fn=loss_fn)
+    measured = measured_peak(model, run(plan), args, kwargs, loss_fn=loss_fn, inputs=session.inputs)
     if measured is None:
         return None
     peak = measured + untracked_bytes(session.report.graph)
@@ -207,7 +307,7 @@ def _measured_smallest(model: nn.Module, exc: InfeasibleBudget, *, budget: int, 
 def _why(exc: InfeasibleBudget) -> dict:
     """What ``exc`` says forces its lower bound, for an error that names other figures."""
     return dict(culprit=exc.culprit, culprit_name=exc.culprit_name, held_bytes=exc.held_bytes,
-                held_before=exc.held_before)
+                held_before=exc.held_before, held_what=exc.held_what)
 
 
 @dataclass(frozen=True)
@@ -221,47 +321,171 @@ class Reproduction:
     peak_bytes : int or None
         The step's peak by the allocator (None for meta or fake inputs).
     reference_peak_bytes : int or None
-        The reference's peak by the allocator.
+        The reference's peak by the allocator, the step's gradients held until the
+        reference's own replace them (see :func:`reproduces`).
+    forward_peak_bytes : int or None
+        The peak of the model's forward without autograd that checks the loss (with
+        ``reference`` only).
     """
 
     same: bool
     peak_bytes: int | None = None
     reference_peak_bytes: int | None = None
+    forward_peak_bytes: int | None = None
 
 
 def reproduces(model: nn.Module, step: Callable, args: tuple, kwargs: dict, *,
-               loss_fn: Callable[[Any], Any] | None = None, reference: Callable | None = None) -> Reproduction:
+               loss_fn: Callable[[Any], Any] | None = None, reference: Callable | None = None,
+               inputs: PlanningInputs | None = None) -> Reproduction:
     """One step of the rewrite against a reference step on the example batch: whether it
     gives the same loss and gradients (to float tolerance), with both peaks by the
     allocator. The reference is :func:`reference_step`'s (eager's loss and gradients)
     unless ``reference`` is given: a step with the same call shape, whose loss is then
     also checked against the model's own forward run without autograd (which saves
-    nothing). Gradients, buffers and the RNG are left as found."""
+    nothing). Gradients, buffers and the RNG are left as found; ``inputs``: planning's
+    copies of the example inputs, reset before each run.
+
+    No copy of the gradients is held from one run to the next: the step's gradient of
+    each parameter is kept as a :class:`GradientPrint` (a sixteenth of it, or whole for a
+    small one) and dropped, and the reference's gradient of that parameter is compared
+    with it as backward produces it."""
     if not_real(args, kwargs):
         return Reproduction(True)  # nothing real to run
-    params = list(model.parameters())
     loss_fn = loss_fn or default_loss
-    results, peaks = [], []
     judged = judge_available(model, (args, kwargs))
-    steps = [step, reference or reference_step(model)]
-    for run in steps:
-        with step_undone(model):
+    compiled = getattr(step, "compiler", "eager") != "eager"
+    params = [p for p in model.parameters() if p.requires_grad]
+    prints: dict[int, GradientPrint | None] = {}
+    differ: list[int] = []
+
+    def compare(i: int, grad: torch.Tensor) -> torch.Tensor:
+        found = prints.pop(i, None)
+        if found is None or not found.matches(grad, compiled=compiled):
+            differ.append(i)
+        return grad
+
+    def run(fn: Callable, held: list) -> tuple[torch.Tensor, int | None]:
+        with buffers_kept(model) as copies:
+            if inputs is not None:
+                inputs.reset()
             torch.manual_seed(1234)
-            with AllocatorPeak(model, (args, kwargs)) if judged else contextlib.nullcontext() as judge:
-                out = run(model, args, kwargs)  # held during backward, as verify does
+            with AllocatorPeak(model, (args, kwargs), held, copies) if judged else contextlib.nullcontext() as judge:
+                out = fn(model, args, kwargs)  # held during backward, as verify does
                 loss = loss_fn(out)
                 loss.backward()
                 del out
-            peaks.append(None if judge is None else int(judge.peak_bytes))
-            results.append((loss.detach(), [None if p.grad is None else p.grad.detach().clone() for p in params]))
-    (la, ga), (lb, gb) = results
-    compiled = getattr(step, "compiler", "eager") != "eager"
-    same = _close(la, lb, compiled) and all(_close(x, y, compiled) for x, y in zip(ga, gb))
+        return loss.detach(), None if judge is None else int(judge.peak_bytes)
+
+    with step_undone(model, inputs=inputs, buffers=False) as held:
+        la, peak = run(step, held)
+        for i, p in enumerate(params):
+            if p.grad is not None:
+                prints[i] = GradientPrint(p.grad, seed=i)
+            p.grad = None
+        hooks = [p.register_hook(functools.partial(compare, i)) for i, p in enumerate(params)]
+        try:
+            kept = [t for found in prints.values() for t in (found.whole, found.sums) if t is not None]
+            lb, reference_peak = run(reference or reference_step(model), held + kept + [la])
+            del kept
+        finally:
+            for h in hooks:
+                h.remove()
+        # left in ``prints``: gradients of the step that the reference does not give
+        same = not differ and not prints and _close(la, lb, compiled)
+    forward_peak = None
     if same and reference is not None:
-        with step_undone(model), torch.no_grad():
+        with step_undone(model, inputs=inputs) as held, torch.no_grad():
             torch.manual_seed(1234)
-            same = _close(la, loss_fn(type(model).forward(model, *args, **kwargs)).detach(), compiled)
-    return Reproduction(same, peaks[0], peaks[1])
+            with AllocatorPeak(model, (args, kwargs), held, la) if judged else contextlib.nullcontext() as judge:
+                loss = loss_fn(type(model).forward(model, *args, **kwargs)).detach()
+            forward_peak = None if judge is None else int(judge.peak_bytes)
+            same = _close(la, loss, compiled)
+    return Reproduction(same, peak, reference_peak, forward_peak)
+
+
+class GradientPrint:
+    """A compact form of a gradient ``x`` that tells whether another, ``y``, equals it
+    within the self-check's tolerance (:func:`_close`), read as ``y`` arrives.
+
+    A gradient of at most :data:`WHOLE_ELEMENTS` elements is kept whole. A larger one is
+    kept as the sums of its elements over blocks of :data:`PRINT_BLOCK`, each element
+    times a pseudo-random sign (one sixteenth of it in float32). ``y`` matches where
+    every block's sum differs from ``x``'s by at most the block's sum of the elements'
+    tolerances ``atol + rtol |y|``: never a mismatch where the elements match, and a
+    gradient off by a factor or by a systematic error fails as it does element by
+    element. Compiled steps (compared by norm) use the blocks' differences, whose squares
+    sum to ``|x - y|**2`` in expectation, with 20 % slack. The sums are made and read in
+    chunks, a small share of one parameter's gradient at a time.
+
+    Examples
+    --------
+    >>> g = torch.randn(10000)
+    >>> print_ = GradientPrint(g, seed=0)
+    >>> print_.matches(g * (1 + 1e-5), compiled=False), print_.matches(g / 10, compiled=False)
+    (True, False)
+    """
+
+    def __init__(self, grad: torch.Tensor, *, seed: int) -> None:
+        flat = grad.detach().reshape(-1)
+        self.seed, self.shape, self.dtype = seed, tuple(grad.shape), grad.dtype
+        self.whole = flat.clone() if flat.numel() <= WHOLE_ELEMENTS or not flat.is_floating_point() else None
+        self.sums = None if self.whole is not None else torch.cat(list(self._block_sums(flat)))
+
+    def _chunks(self, flat: torch.Tensor) -> Iterator[tuple[torch.Tensor, torch.Tensor]]:
+        """``(chunk in float32, its signs)``, a whole number of blocks at a time."""
+        n = flat.numel()
+        size = max(WHOLE_ELEMENTS, n // 64) // PRINT_BLOCK * PRINT_BLOCK
+        for k, start in enumerate(range(0, n, size)):
+            chunk = flat[start:start + size].float()
+            gen = torch.Generator(device=flat.device).manual_seed(self.seed * 1_000_003 + k)
+            signs = torch.randint(0, 2, (chunk.numel(),), generator=gen, dtype=torch.int8, device=flat.device)
+            yield chunk, signs
+
+    def _block_sums(self, flat: torch.Tensor) -> Iterator[torch.Tensor]:
+        for chunk, signs in self._chunks(flat):
+            signed = torch.where(signs.bool(), chunk, -chunk)
+            yield _blocks(signed).sum(1)
+
+    def matches(self, grad: torch.Tensor | None, *, compiled: bool) -> bool:
+        """Whether ``grad`` equals the gradient printed, to the self-check's tolerance."""
+        if grad is None or tuple(grad.shape) != self.shape:
+            return False
+        flat = grad.detach().reshape(-1)
+        if self.whole is not None:
+            return _close(self.whole, flat, compiled)
+        if not compiled:
+            at = 0
+            for chunk, signs in self._chunks(flat):
+                theirs = _blocks(torch.where(signs.bool(), chunk, -chunk)).sum(1)
+                mine = self.sums[at:at + theirs.numel()]
+                at += theirs.numel()
+                # the elements' tolerances summed over each block, and float32 rounding of the sums
+                tol = _blocks(1e-5 + 1e-3 * chunk.abs()).sum(1) * (1 + 1e-4)
+                if not bool(((mine - theirs).abs() <= tol).all()) and not bool(torch.isnan(mine).any()):
+                    return False
+            return True
+        diff = norm = 0.0
+        at = 0
+        for chunk, signs in self._chunks(flat):
+            theirs = _blocks(torch.where(signs.bool(), chunk, -chunk)).sum(1)
+            diff += float(((self.sums[at:at + theirs.numel()] - theirs).double() ** 2).sum())
+            norm += float((chunk.double() ** 2).sum())
+            at += theirs.numel()
+        return diff ** 0.5 <= 1.2 * (1e-2 * norm ** 0.5) + 1e-6
+
+
+#: a gradient of at most this many elements is kept whole by :class:`GradientPrint`
+WHOLE_ELEMENTS = 256
+#: elements per block summed by :class:`GradientPrint`
+PRINT_BLOCK = 16
+
+
+def _blocks(flat: torch.Tensor) -> torch.Tensor:
+    """``flat`` as rows of :data:`PRINT_BLOCK` elements, the last padded with zeros."""
+    pad = -flat.numel() % PRINT_BLOCK
+    if pad:
+        flat = torch.cat([flat, flat.new_zeros(pad)])
+    return flat.view(-1, PRINT_BLOCK)
 
 
 def reference_step(model: nn.Module) -> Callable[[nn.Module, tuple, dict], Any]:
@@ -306,11 +530,10 @@ def self_check(model: nn.Module, step: Callable, *, args: tuple, kwargs: dict, s
     """Whether the rewrite ``step`` reproduces the model's gradients on the example batch
     (against ``reference``, see :func:`reproduces`); its measured peak (the same step)
     goes to the session's report, both peaks to the session's planning peak."""
-    found = reproduces(model, step, args, kwargs, loss_fn=loss_fn, reference=reference)
+    found = reproduces(model, step, args, kwargs, loss_fn=loss_fn, reference=reference, inputs=session.inputs)
     extra = untracked_bytes(session.report.graph)
     if found.peak_bytes is not None:
         session.report.checked_peak_bytes = found.peak_bytes + extra
-        session.saw(found.peak_bytes + extra)
-    if found.reference_peak_bytes is not None:
-        session.saw(found.reference_peak_bytes + extra)
+    for peak in (found.peak_bytes, found.reference_peak_bytes, found.forward_peak_bytes):
+        session.saw(None if peak is None else peak + extra)
     return found.same

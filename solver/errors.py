@@ -5,7 +5,7 @@ from __future__ import annotations
 from graphs.errors import RematError
 from graphs.units import format_bytes
 
-__all__ = ["RematError", "SolverError", "InfeasibleBudget", "NoScheduleFound", "BudgetNotReached"]
+__all__ = ["RematError", "SolverError", "InfeasibleBudget", "NoScheduleFound", "BudgetNotReached", "OptionError"]
 
 
 class SolverError(RematError):
@@ -49,8 +49,11 @@ class InfeasibleBudget(RematError, ValueError):
     culprit_name : str or None
         How messages name the culprit (its id and source line).
     held_bytes : int
-        Bytes that, beside the culprit's own, hold the results of ops that run only
-        once (random ops such as dropout masks) for later readers while it runs.
+        Bytes that, beside the culprit's own, hold values that are not computed again
+        (the model's outputs the caller holds, output gradients, random ops' results)
+        for later readers while it runs.
+    held_what : str or None
+        What those bytes hold, in words (:func:`solver.feasibility.run_once_held`).
     held_before : bool
         The lower bound holds at an earlier step than the culprit's own: it is what
         making the culprit's inputs resident needs
@@ -68,6 +71,7 @@ class InfeasibleBudget(RematError, ValueError):
         what: str = "peak",
         held_bytes: int = 0,
         held_before: bool = False,
+        held_what: str | None = None,
     ) -> None:
         self.budget_bytes = int(budget_bytes)
         self.smallest_feasible_bytes = int(smallest_feasible_bytes)
@@ -77,6 +81,7 @@ class InfeasibleBudget(RematError, ValueError):
         self.culprit_name = culprit_name
         self.held_bytes = int(held_bytes)
         self.held_before = bool(held_before)
+        self.held_what = held_what
         if self.proven or self.budget_bytes < self.lower_bound_bytes:
             msg = (
                 f"budget {format_bytes(self.budget_bytes)} ({self.budget_bytes} B) is infeasible: "
@@ -94,8 +99,8 @@ class InfeasibleBudget(RematError, ValueError):
             msg += f"; no schedule can go below {format_bytes(self.lower_bound_bytes)} ({self.lower_bound_bytes} B)"
         if culprit is not None and self.held_bytes > 0:
             msg += (f"; while op {culprit_name or repr(culprit)} runs, its inputs + output and "
-                    f"{format_bytes(self.held_bytes)} holding the results of ops that run only once "
-                    "(random ops such as dropout masks) for later readers must be resident")
+                    f"{format_bytes(self.held_bytes)} holding values that are not computed again for later "
+                    "readers must be resident" + (f": {held_what}" if held_what else ""))
         elif culprit is not None and self.held_before:
             msg += (f"; making the inputs of op {culprit_name or repr(culprit)} resident needs more in every "
                     "order: the one of them computed last runs while the others are held, and so on back "
@@ -114,3 +119,9 @@ class BudgetNotReached(InfeasibleBudget, NoScheduleFound):
     def __init__(self, budget_bytes: int, smallest_feasible_bytes: int, **kwargs) -> None:
         InfeasibleBudget.__init__(self, budget_bytes, smallest_feasible_bytes, **kwargs)
         self.best_peak = int(smallest_feasible_bytes)
+
+
+class OptionError(RematError, ValueError, TypeError):
+    """An option of :func:`solver.optimize` of the wrong type or out of its range, or a
+    model it cannot take; raised before any work (a ``ValueError`` and a ``TypeError``
+    for callers that catch either)."""

@@ -36,8 +36,9 @@ import time as _time
 from typing import Hashable
 
 from graphs import ComputeGraph
+from graphs.units import format_bytes
 
-__all__ = ["peak_lower_bound", "op_footprint", "least_workspaces", "run_once_peak_bound",
+__all__ = ["peak_lower_bound", "op_footprint", "least_workspaces", "run_once_peak_bound", "run_once_held",
            "last_computed_peak_bound", "last_computed_rules_out", "bisect_peak_bound"]
 
 
@@ -185,10 +186,12 @@ def run_once_peak_bound(graph: ComputeGraph, *, time_limit: float | None = 1.0) 
     return ix.fixed + best, ix.ids[best_v], best_held
 
 
-def _held_bytes(ix, v: int, once: list[int], desc: list[int], readers: list[int]) -> int:
+def _held_bytes(ix, v: int, once: list[int], desc: list[int], readers: list[int],
+                record: dict[int, int] | None = None) -> int:
     """The greedy multicommodity flow of :func:`run_once_peak_bound` at the first run of
     ``v``: from each of ``v``'s run-once ancestors ``once`` to the values read after
-    ``v`` or output."""
+    ``v`` or output. ``record``: filled with the flow of each run-once value that
+    carries some."""
     cap = list(ix.nbytes)  # capacity left; v's footprint is counted already
     for u in ix.preds[v]:
         cap[u] = 0
@@ -224,7 +227,59 @@ def _held_bytes(ix, v: int, once: list[int], desc: list[int], readers: list[int]
             for u in path:
                 cap[u] -= push
             total += push
+            if record is not None:
+                record[x] = record.get(x, 0) + push
     return total
+
+
+def run_once_held(graph: ComputeGraph, culprit: Hashable) -> str | None:
+    """What :func:`run_once_peak_bound` holds beside ``culprit``'s own footprint, in
+    words: the kinds of run-once values whose information must stay resident (the
+    model's outputs the caller holds, the output gradients that arrive once, random
+    ops' results, other ops that run once), each with its bytes; None when nothing is
+    held.
+
+    Examples
+    --------
+    >>> g = ComputeGraph()
+    >>> g.add_node("m", bytes=4, recomputable=False, op="aten.bernoulli")
+    >>> for name, size in [("d", 4), ("f", 2), ("v", 10)]: g.add_node(name, bytes=size)
+    >>> g.add_node("b", bytes=1, output=True)
+    >>> for e in [("m", "d"), ("d", "f"), ("f", "v"), ("v", "b"), ("d", "b")]: g.add_edge(*e)
+    >>> g.meta["ordered"] = ["m"]
+    >>> print(run_once_held(g, "v"))
+    random ops' results, which are not drawn again (aten.bernoulli: 4 B)
+    """
+    from solver.indexed import IndexedGraph, ancestry_masks
+
+    ix = IndexedGraph.of(graph)
+    if culprit not in ix.ids:
+        return None
+    v = ix.ids.index(culprit)
+    anc, desc = ancestry_masks([ix.order_preds(u) for u in range(ix.n)])
+    once = [x for x in range(ix.n) if not ix.recomputable[x] and ix.nbytes[x] > 0 and (anc[v] >> x) & 1]
+    readers = [sum(1 << s for s in ix.succs[u]) for u in range(ix.n)]
+    record: dict[int, int] = {}
+    _held_bytes(ix, v, once, desc, readers, record)
+    drawn = set(graph.meta.get("ordered") or ())  # random ops, drawn in a required order
+    kinds: dict[str, list] = {}
+    for x, held in record.items():
+        node = graph[ix.ids[x]]
+        if node.get("op") == "tangent":
+            kind = "the gradients of the model's outputs, which arrive once"
+        elif node.get("output") and node.get("phase", "forward") == "forward":
+            kind = "the model's outputs, which the caller holds until the step ends"
+        elif ix.ids[x] in drawn:
+            kind = "random ops' results, which are not drawn again"
+        else:
+            kind = "the results of ops that are not run again"
+        ops = kinds.setdefault(kind, [0, set()])
+        ops[0] += held
+        ops[1].add(str(node.get("op") or ix.ids[x]).replace(".default", ""))
+    if not kinds:
+        return None
+    return "; ".join(f"{kind} ({', '.join(sorted(ops)[:3])}{', ...' if len(ops) > 3 else ''}: {format_bytes(held)})"
+                     for kind, (held, ops) in sorted(kinds.items(), key=lambda kv: -kv[1][0]))
 
 
 #: Seconds at most for one budget's search in :func:`last_computed_peak_bound` (one

@@ -26,6 +26,7 @@ from __future__ import annotations
 import dataclasses
 import functools
 import math
+import numbers
 from typing import Any, Callable
 
 import torch
@@ -34,8 +35,9 @@ from torch import nn
 from graphs.graph_mode import COMPILERS
 from graphs.planned import wrap_planned
 from graphs.units import GiB
-from solver.checks import Session, split_inputs
+from solver.checks import PlanningInputs, Session, split_inputs
 from solver.data_parallel import data_parallel
+from solver.errors import OptionError
 from solver.fixed import optimizer_state_bytes
 from solver.planning import PLANNING_GAP_TOLERANCE, Request, plan_step
 from solver.report import Report
@@ -89,6 +91,8 @@ def optimize(
     example_inputs : tuple or dict, optional
         Positional or keyword arguments of ``model``. Given: plan now (errors such as
         an infeasible budget are raised here, and the model is left untouched).
+        Planning runs on copies of them: the user's tensors keep their values (a model
+        that writes into its input in place), ``.grad`` and version counters.
         Omitted: plan lazily on the first training call, from the real batch, and again
         whenever input shapes change (like ``torch.compile``).
     method : str
@@ -193,6 +197,13 @@ def optimize(
 
     Raises
     ------
+    OptionError
+        Before any work: an option of the wrong type or out of its range (``budget_gb``
+        not a positive number, a bool included; ``time_limit`` not a positive number of
+        seconds; ``blocks`` naming no submodule; an unknown ``method``, or one given with
+        ``mode="module"``; ``optimizer`` not an optimizer), a module returned by
+        ``optimize`` already, or a ``torch.compile``'d module (pass the uncompiled model
+        and compile the module returned).
     InfeasibleBudget
         The budget is below the smallest feasible peak; the message names that peak.
     CaptureError
@@ -221,6 +232,12 @@ def optimize(
     """
     pinned = mode is not None  # None: graph mode, falling back to module mode
     mode = "graph" if mode is None else mode
+    if mode not in ("graph", "module"):
+        raise OptionError(f"mode must be None, 'graph' or 'module', got {mode!r}")
+    _check_model(model)
+    _check_options(model, budget_gb=budget_gb, mode=mode, pinned=pinned, method=method, time_limit=time_limit,
+                   gap_tolerance=gap_tolerance, optimizer=optimizer, blocks=blocks, verify=verify,
+                   planned_now=example_inputs is not None)
 
     request = _request(model, budget_gb, mode=mode, method=method, time_limit=time_limit,
                        gap_tolerance=gap_tolerance, compiler=compiler, activation_budget=activation_budget,
@@ -248,23 +265,74 @@ def optimize(
         if example_inputs is not None:
             wrapper.remat_plan_now(*split_inputs(example_inputs))
     wrapper.__dict__[SESSION] = session
-    if verify:
-        if example_inputs is None:
-            raise ValueError("verify=True needs example_inputs")
-        verify_into(wrapper, example_inputs, session=session, original=None if request.dp else model)
+    if verify:  # on copies of the inputs, as planning: the user's are not written
+        copies = PlanningInputs(*split_inputs(example_inputs))
+        try:
+            verify_into(wrapper, copies.kwargs if isinstance(example_inputs, dict) else copies.args,
+                        session=session, original=None if request.dp else model)
+        finally:
+            copies.release()
     return wrapper
 
 
 def _check_model(model: nn.Module) -> None:
     """Refuse, before any work, a model that no plan can serve."""
+    from graphs.torch_internals import is_compiled_module
+
     if not isinstance(model, nn.Module):
-        raise TypeError(f"model must be a torch.nn.Module, got {type(model).__name__}")
+        raise OptionError(f"model must be a torch.nn.Module, got {type(model).__name__}")
+    if is_compiled_module(model):
+        raise OptionError("the model is a torch.compile'd module: its forward runs Dynamo's compiled frame, which "
+                          "a plan cannot rewrite; pass the uncompiled model to optimize and compile the module it "
+                          "returns (torch.compile(solver.optimize(model, ...)))")
     if "remat_steps" in model.__dict__:
-        raise ValueError("this module was returned by solver.optimize already; call optimize on the original "
-                         "model (its plans are made per input signature and autocast state on their own)")
+        raise OptionError("this module was returned by solver.optimize already; call optimize on the original "
+                          "model (its plans are made per input signature and autocast state on their own)")
     if not any(p.requires_grad for p in model.parameters()):
-        raise ValueError(f"{type(model).__name__} has no parameter that requires a gradient, so its training "
-                         "step has no backward to plan; unfreeze parameters, or run it under torch.no_grad()")
+        raise OptionError(f"{type(model).__name__} has no parameter that requires a gradient, so its training "
+                          "step has no backward to plan; unfreeze parameters, or run it under torch.no_grad()")
+
+
+def _number(value: Any) -> bool:
+    """A real number (a bool is not one)."""
+    return isinstance(value, numbers.Real) and not isinstance(value, bool)
+
+
+def _check_options(model: nn.Module, *, budget_gb: Any, mode: str, pinned: bool, method: Any,
+                   time_limit: Any, gap_tolerance: Any, optimizer: Any, blocks: Any, verify: bool,
+                   planned_now: bool) -> None:
+    """Refuse, before any work, options of the wrong type or out of range."""
+    from solver.solving import methods
+
+    if not _number(budget_gb) or not math.isfinite(budget_gb) or budget_gb <= 0:
+        raise OptionError(f"budget_gb must be a positive, finite number of GiB, got {budget_gb!r}")
+    if time_limit is not None and not (_number(time_limit) and math.isfinite(time_limit) and time_limit > 0):
+        raise OptionError(f"time_limit must be a positive, finite number of seconds (or None: the methods' "
+                          f"own limits), got {time_limit!r}")
+    if gap_tolerance is not None and not (_number(gap_tolerance) and 0 <= gap_tolerance < 1):
+        raise OptionError(f"gap_tolerance must be a fraction of the extra compute in [0, 1), got {gap_tolerance!r}")
+    if not isinstance(method, str):
+        raise OptionError(f"method must be a method name, got {type(method).__name__}")
+    known = methods()
+    if method not in known:
+        raise OptionError(f"unknown method {method!r}; choose one of {', '.join(known)}")
+    if method != "auto" and mode == "module" and pinned:
+        raise OptionError(f"method={method!r} picks graph mode's solver; mode='module' plans per layer block "
+                          "with its own search: leave method='auto', or use mode='graph'")
+    if optimizer is not None and not (hasattr(optimizer, "param_groups") and hasattr(optimizer, "state")):
+        raise OptionError(f"optimizer must be a torch.optim.Optimizer (its state counts in the budget), got "
+                          f"{type(optimizer).__name__}: build it first, e.g. torch.optim.AdamW(model.parameters())")
+    if blocks is not None:
+        if isinstance(blocks, str) or not all(isinstance(b, str) for b in blocks):
+            raise OptionError(f"blocks must be a list of submodule names, got {blocks!r}")
+        names = [n for n, _ in model.named_modules() if n]
+        missing = [b for b in blocks if b not in set(names)]
+        if missing:
+            shown = ", ".join(names[:30]) + (f", ... ({len(names)} in all)" if len(names) > 30 else "")
+            raise OptionError(f"blocks names no submodule of {type(model).__name__}: {', '.join(missing)}; "
+                              f"its submodules are: {shown}")
+    if verify and not planned_now:
+        raise OptionError("verify=True needs example_inputs (the step it measures)")
 
 
 def _request(model: nn.Module, budget_gb: float, *, mode: str, method: str, time_limit: float | None,
@@ -275,34 +343,24 @@ def _request(model: nn.Module, budget_gb: float, *, mode: str, method: str, time
              loss_fn: Callable[[Any], torch.Tensor] | None, watch: str) -> Request:
     """The options of :func:`optimize`, read and checked before anything is captured."""
     if loss_fn is not None and not callable(loss_fn):
-        raise TypeError(f"loss_fn must be a callable output -> scalar loss, got {type(loss_fn).__name__}")
+        raise OptionError(f"loss_fn must be a callable output -> scalar loss, got {type(loss_fn).__name__}")
     if watch not in WATCH:
-        raise ValueError(f"watch must be one of {WATCH}, got {watch!r}")
-    if mode not in ("graph", "module"):
-        raise ValueError(f"mode must be 'graph' or 'module', got {mode!r}")
-    if gap_tolerance is not None and not (isinstance(gap_tolerance, (int, float)) and 0 <= gap_tolerance < 1):
-        raise ValueError(f"gap_tolerance must be a fraction of the extra compute in [0, 1), got {gap_tolerance!r}")
+        raise OptionError(f"watch must be one of {WATCH}, got {watch!r}")
     if compiler not in COMPILERS:
-        raise ValueError(f"compiler must be one of {COMPILERS}, got {compiler!r}")
+        raise OptionError(f"compiler must be one of {COMPILERS}, got {compiler!r}")
     if compiler != "eager" and (mode != "graph" or sharding is not None):
-        raise ValueError(f"compiler={compiler!r} compiles graph mode's scheduled graphs in one process; "
+        raise OptionError(f"compiler={compiler!r} compiles graph mode's scheduled graphs in one process; "
                          "use mode='graph' without sharding, or compiler='eager'")
     dp = data_parallel(sharding=sharding, mode=mode, world_size=world_size, mesh=mesh, options=sharding_options)
     if dp is not None:
         if not planned_now:
-            raise ValueError(f"sharding={sharding!r} needs example_inputs (this rank's local batch): the plan is made "
+            raise OptionError(f"sharding={sharding!r} needs example_inputs (this rank's local batch): the plan is made "
                              "before the model is wrapped")
         if activation_budget and dp.sharding == "fsdp":
-            raise ValueError("activation_budget=True is not available with sharding='fsdp' (a rank's fixed "
+            raise OptionError("activation_budget=True is not available with sharding='fsdp' (a rank's fixed "
                              "memory changes during the step); give the whole per-rank budget")
         dp.require_process_group()
-    try:
-        budget_bytes = float(budget_gb) * GiB
-    except (TypeError, ValueError):
-        raise ValueError(f"budget_gb must be a number of GiB, got {budget_gb!r}") from None
-    if not budget_bytes > 0 or not math.isfinite(budget_bytes):
-        raise ValueError(f"budget_gb must be a positive, finite number of GiB, got {budget_gb!r}")
-    _check_model(model)
+    budget_bytes = float(budget_gb) * GiB
     opt_bytes = optimizer_state_bytes(optimizer, model)
     if dp is not None:
         dp.optimizer_bytes = opt_bytes

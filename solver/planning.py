@@ -27,7 +27,7 @@ from graphs.planned import ModuleStep
 from graphs.repeated import capture_cut
 from graphs.rewrite import replay_random_ops
 from graphs.units import format_bytes
-from solver.checks import Session, fit_measured, measured_peak, self_check
+from solver.checks import PlanningInputs, Session, fit_measured, measured_peak, self_check
 from solver.errors import SolverError
 from solver.fixed import SEED_RESERVE, untracked_bytes
 from solver.module_plan import hold_node_inputs, plan_modules
@@ -109,9 +109,15 @@ def plan_step(model: nn.Module, args: tuple, kwargs: dict, *, request: Request, 
     from graphs.torch_internals import forward_hooks, module_hooks_off
 
     hooked = forward_hooks(model, root=False)  # seen before planning's own runs turn them off
-    with training_mode(model) as was_eval, module_hooks_off(model):
-        step = _plan_step(model, args, kwargs, request=request, session=session, held_back=held_back,
-                          hooked=hooked)
+    # planning runs on copies of the inputs: the user's are never written, whatever the model does to its inputs
+    session.inputs = inputs = PlanningInputs(args, kwargs)
+    try:
+        with training_mode(model) as was_eval, module_hooks_off(model):
+            step = _plan_step(model, inputs.args, inputs.kwargs, request=request, session=session,
+                              held_back=held_back, hooked=hooked)
+    finally:
+        session.inputs = None
+        inputs.release()
     if was_eval:
         session.report.notes.append("planned for training: the model was in eval() when planned, and is again")
     if request.dp is not None:  # a step runs collectives: verify() measures it on every rank
@@ -425,7 +431,7 @@ def plan_graph_checked(model: nn.Module, args: tuple, kwargs: dict, *, cap: Capt
 
     def original_peak() -> int | None:
         peak = measured_peak(model, lambda: type(model).forward(model, *args, **kwargs), args, kwargs,
-                             loss_fn=request.loss_fn)
+                             loss_fn=request.loss_fn, inputs=session.inputs)
         session.saw(None if peak is None else peak + untracked_bytes(cap.graph))
         return peak
 

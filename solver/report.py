@@ -39,9 +39,14 @@ class Report:
     ``measure_seconds`` the runs that measure its op times and workspaces,
     ``solve_seconds`` the schedule's search, and ``check_seconds`` the rest of planning:
     the rewrite built, its gradients checked and its steps measured (and any plan made
-    again). ``planning_peak_bytes`` is the allocator's peak of planning's own runs on
-    the example batch: the runs that measure op times and workspaces (schedules that fit
-    the budget), the gradient check and the measured step of the plan.
+    again). ``planning_peak_bytes`` is the allocator's peak of the planning of the
+    ``optimize`` call, from its start: its runs on the example batch (the runs that
+    measure op times and workspaces, in schedules that fit the budget; the gradient
+    check; measured steps of plans), each counted with what planning holds beside it
+    (the user's example inputs beside the copies planning runs on, the gradients put
+    aside, the buffers' copies, the gradient check's prints of the step's gradients).
+    ``verify=True`` steps are not planning: see ``measured_peak_bytes`` and
+    ``original_peak_bytes``.
     """
 
     mode: str

@@ -307,7 +307,7 @@ def _not_reached(graph: ComputeGraph, budget: int, exc: NoScheduleFound, left: f
                                                   left=None if left is None else left - (time.perf_counter() - t0))
     cls = InfeasibleBudget if budget < lb else BudgetNotReached
     return cls(budget, found, lower_bound_bytes=lb, culprit=culprit, culprit_name=culprit_label(graph, culprit),
-               held_bytes=held, held_before=before)
+               held_bytes=held, held_before=before, held_what=_held_what(graph, culprit, held))
 
 
 def _raised_bound(graph: ComputeGraph, lb: int, culprit, found: int, *, budget: int | None,
@@ -354,6 +354,13 @@ def _raised_bound(graph: ComputeGraph, lb: int, culprit, found: int, *, budget: 
     return lb, culprit, held, before
 
 
+def _held_what(graph: ComputeGraph, culprit, held: int) -> str | None:
+    """What the ``held`` bytes beside ``culprit`` hold, in words (None: nothing held)."""
+    from solver.feasibility import run_once_held
+
+    return run_once_held(graph, culprit) if held > 0 and culprit is not None else None
+
+
 def _sharpened(graph: ComputeGraph, exc: InfeasibleBudget, left: float | None) -> InfeasibleBudget:
     """``exc`` (a budget below the footprint bound) with its lower bound raised as far as
     the bounds of recomputing schedules take it in the time ``left``, so that the range
@@ -365,4 +372,5 @@ def _sharpened(graph: ComputeGraph, exc: InfeasibleBudget, left: float | None) -
     if raised <= lb:
         return exc
     return InfeasibleBudget(exc.budget_bytes, found, lower_bound_bytes=raised, culprit=culprit,
-                            culprit_name=culprit_label(graph, culprit), held_bytes=held, held_before=before)
+                            culprit_name=culprit_label(graph, culprit), held_bytes=held, held_before=before,
+                            held_what=_held_what(graph, culprit, held))
