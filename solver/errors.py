@@ -122,6 +122,8 @@ class BudgetNotReached(InfeasibleBudget, NoScheduleFound):
 
 
 class OptionError(RematError, ValueError, TypeError):
-    """An option of :func:`solver.optimize` of the wrong type or out of its range, or a
-    model it cannot take; raised before any work (a ``ValueError`` and a ``TypeError``
-    for callers that catch either)."""
+    """An option of :func:`solver.optimize` or :func:`solver.solve` of the wrong type or
+    out of its range, an option that a method does not take, or a model that
+    :func:`solver.optimize` cannot take; raised before any work, the message naming
+    the option and what is taken (a ``ValueError`` and a ``TypeError`` for callers
+    that catch either)."""

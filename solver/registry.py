@@ -20,19 +20,11 @@ import inspect
 from dataclasses import dataclass
 from typing import Callable, Iterable, Mapping
 
-from solver.errors import SolverError
+from solver.errors import OptionError
 from solver.schedule import Schedule
 
 __all__ = ["MethodInfo", "OptionError", "register", "registered"]
 
-
-class OptionError(SolverError, TypeError, ValueError):
-    """An option that a method (or :func:`solver.solve`) does not take, or a value it
-    cannot use; the message names the method, the option and what it takes.
-
-    A :class:`TypeError` (as Python's own error for an unknown keyword) and a
-    :class:`ValueError` (as for a value out of range).
-    """
 
 MethodFn = Callable[..., Schedule]
 
@@ -77,7 +69,7 @@ class MethodInfo:
         >>> get_method("every_k").check_options({"kk": 2})
         Traceback (most recent call last):
           ...
-        solver.registry.OptionError: method 'every_k' takes no option 'kk' (did you mean 'k'?); its options: k (and time_limit)
+        solver.errors.OptionError: method 'every_k' takes no option 'kk' (did you mean 'k'?); its options: k (and time_limit)
         """
         if self.options is None:
             return

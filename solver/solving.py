@@ -110,7 +110,7 @@ def solve(
         its gap.
     **options
         Passed to the method (e.g. ``bandwidth`` for offload, ``k`` for every-k); one
-        that it does not take raises :class:`~solver.registry.OptionError`
+        that it does not take raises :class:`~solver.errors.OptionError`
         (``methods()[name].options`` lists those it takes).
 
     Returns

@@ -11,7 +11,7 @@ from hypothesis import given, settings, strategies as st
 from graphs import ComputeGraph, GraphFormatError
 from solver import simulate, solve
 from solver.errors import InfeasibleBudget, SolverError
-from solver.registry import OptionError
+from solver.errors import OptionError
 from solver.solving import methods
 from solver.synthetic import budget_between, random_training_graph, small_graph, training_chain
 
