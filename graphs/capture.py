@@ -45,8 +45,8 @@ from graphs.autocast import autocast_as, autocast_state, no_autocast
 from graphs.compute_graph import BACKWARD_START, ComputeGraph
 from graphs.errors import CaptureError
 from graphs.hardware import Hardware, get_hardware
-from graphs.torch_internals import (FakeTensorMode, aot_export_joint, drop_python_kernels, fake_mode_of, is_fake,
-                                     is_op_overload, lazy_graph_modules, op_schema, override_python_kernels,
+from graphs.torch_internals import (FakeTensorMode, aot_export_joint, custom_functions_called, drop_python_kernels,
+                                     fake_mode_of, is_fake, is_op_overload, lazy_graph_modules, op_schema, override_python_kernels,
                                      tree_flatten, tree_leaves, tree_unflatten)
 
 __all__ = ["capture", "CaptureInfo", "default_loss", "is_random_op", "op_draws", "graph_of_joint"]
@@ -163,6 +163,11 @@ class CaptureInfo:
         Set when the joint graph was written from a capture of fewer layers
         (:func:`graphs.repeated.capture_cut` with ``runnable=True``): ``joint`` is then
         that capture's export, and the step runs ``fx`` itself.
+    custom_functions : tuple of str
+        The custom :class:`torch.autograd.Function`\\ s that the forward calls on the
+        way to its outputs. The joint graph's backward of their ops is autograd's
+        derivative of what their forward computes, not their own ``backward``: only
+        the model's own forward gives their gradients (see :func:`capture`).
     """
 
     step: torch.nn.Module
@@ -176,6 +181,7 @@ class CaptureInfo:
     backward: str = "loss"
     autocast: tuple = ()
     stitched: Any = None
+    custom_functions: tuple = ()
 
 
 def _export_joint(stack: contextlib.ExitStack, step: torch.nn.Module, flat_inputs: list, fake_mode: Any,
@@ -502,10 +508,13 @@ def capture(
         work_model, flat_in = _to_fake(model, flat_in, fake_mode)
     eargs, ekwargs = tree_unflatten(flat_in, in_spec)
 
-    # 1. forward at ATen level, with source lines
+    # 1. forward at ATen level, with source lines (and the custom autograd Functions that
+    # the trace inlines: it keeps their forward's ops, whose derivative the joint takes)
+    functions: list = []
     try:
         # (the graph modules made on the way generate their code only if run or read)
-        with lazy_graph_modules(), fake_mode if fake_mode is not None else contextlib.nullcontext():
+        with lazy_graph_modules(), fake_mode if fake_mode is not None else contextlib.nullcontext(), \
+                custom_functions_called(work_model, functions):
             ep = torch.export.export(work_model, eargs, ekwargs, strict=False)
     except CaptureError:
         raise
@@ -566,10 +575,15 @@ def capture(
         "torch": torch.__version__,
         "autocast": [f"{device}:{dtype}".replace("torch.", "") for device, dtype in amp],
     })
+    names = tuple(f.__qualname__ for f in functions)
+    if names:
+        cg.meta["custom_functions"] = list(names)
+        log.info("the forward calls custom autograd Functions %s: the captured backward differentiates their "
+                 "forward's ops", ", ".join(names))
     cg.fx = gm
     cg.capture_info = CaptureInfo(step=step, flat_inputs=user_flat, fake_mode=fake_mode, joint=joint, real=real,
                                   input_indices=input_indices, in_spec=in_spec, out_spec=out_spec,
-                                  backward=backward, autocast=amp)
+                                  backward=backward, autocast=amp, custom_functions=names)
     return cg
 
 

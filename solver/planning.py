@@ -431,6 +431,14 @@ def plan_graph_checked(model: nn.Module, args: tuple, kwargs: dict, *, cap: Capt
 
     out = plan_graph(cap=cap, request=request, session=session, method=request.method, margin=margin,
                      original_peak=original_peak)
+    functions = getattr(cap.graph.capture_info, "custom_functions", ())
+    if isinstance(out, ScheduledStep) and functions:
+        why = (f"the forward calls custom autograd Functions ({', '.join(functions)}): a captured step runs "
+               "autograd's derivative of their forward's ops, not their own backward")
+        if request.mode_pinned:
+            raise CaptureError(f"{why}; use mode='module' (its steps run the model's own forward, and the "
+                               "Functions' backward), or a budget that fits the plain step")
+        return in_module_mode(why)
     if not isinstance(out, ScheduledStep) or not request.self_check:
         return out
     reference, why = gradient_reference(model, cap)
