@@ -49,7 +49,7 @@ from graphs.torch_internals import (FakeTensorMode, aot_export_joint, custom_fun
                                      fake_mode_of, is_fake, is_op_overload, lazy_graph_modules, op_schema, override_python_kernels,
                                      tree_flatten, tree_leaves, tree_unflatten)
 
-__all__ = ["capture", "CaptureInfo", "default_loss", "is_random_op", "op_draws", "graph_of_joint"]
+__all__ = ["capture", "CaptureInfo", "default_loss", "is_random_op", "op_draws", "graph_of_joint", "plain_state"]
 
 log = logging.getLogger(__name__)
 
@@ -133,6 +133,42 @@ class _LossStep(torch.nn.Module):
         return loss
 
 
+_PLAIN = (bool, int, float, complex, str, type(None))
+
+
+def _plain(value: Any) -> Any:
+    """``value`` when it is a plain Python constant (or a tuple or list of them, as a
+    tuple), else the marker ``NotImplemented``."""
+    if type(value) in _PLAIN:
+        return value
+    if type(value) in (tuple, list):
+        items = tuple(_plain(v) for v in value)
+        return NotImplemented if any(v is NotImplemented for v in items) else items
+    return NotImplemented
+
+
+def plain_state(model: torch.nn.Module) -> dict[str, tuple]:
+    """What a trace of ``model``'s forward bakes into its graph as constants, per module
+    path: the module's class and its plain attributes (numbers, strings, booleans,
+    ``None`` and tuples or lists of them; ``training`` left out). Tensors, parameters
+    and buffers are not in it: a captured step reads them at each call.
+
+    Examples
+    --------
+    >>> net = torch.nn.Sequential(torch.nn.Linear(2, 2), torch.nn.ReLU())
+    >>> before = plain_state(net)
+    >>> net[1] = torch.nn.GELU()
+    >>> plain_state(net)["1"] == before["1"], plain_state(net)["0"] == before["0"]
+    (False, True)
+    """
+    state = {}
+    for path, module in model.named_modules(remove_duplicate=False):
+        found = ((k, _plain(v)) for k, v in vars(module).items() if k != "training")
+        attrs = tuple(sorted(((k, v) for k, v in found if v is not NotImplemented), key=lambda kv: kv[0]))
+        state[path] = (type(module), attrs)
+    return state
+
+
 @dataclass
 class CaptureInfo:
     """What it takes to re-run the AOTAutograd pipeline on the captured step (in memory).
@@ -163,6 +199,9 @@ class CaptureInfo:
         Set when the joint graph was written from a capture of fewer layers
         (:func:`graphs.repeated.capture_cut` with ``runnable=True``): ``joint`` is then
         that capture's export, and the step runs ``fx`` itself.
+    state : dict
+        :func:`plain_state` of the model when it was captured: the joint graph holds
+        those values as constants.
     custom_functions : tuple of str
         The custom :class:`torch.autograd.Function`\\ s that the forward calls on the
         way to its outputs. The joint graph's backward of their ops is autograd's
@@ -182,6 +221,7 @@ class CaptureInfo:
     autocast: tuple = ()
     stitched: Any = None
     custom_functions: tuple = ()
+    state: dict = field(default_factory=dict)
 
 
 def _export_joint(stack: contextlib.ExitStack, step: torch.nn.Module, flat_inputs: list, fake_mode: Any,
@@ -583,7 +623,8 @@ def capture(
     cg.fx = gm
     cg.capture_info = CaptureInfo(step=step, flat_inputs=user_flat, fake_mode=fake_mode, joint=joint, real=real,
                                   input_indices=input_indices, in_spec=in_spec, out_spec=out_spec,
-                                  backward=backward, autocast=amp, custom_functions=names)
+                                  backward=backward, autocast=amp, custom_functions=names,
+                                  state=plain_state(model))
     return cg
 
 
