@@ -134,3 +134,48 @@ def test_a_budget_that_fits_the_plain_step_runs_it_in_graph_mode():
     fast(*inputs).backward()
     for p, g in zip(model.parameters(), expected):
         torch.testing.assert_close(p.grad, g, rtol=1e-4, atol=1e-6)
+
+
+class Flat(nn.Module):
+    """No layer blocks: checkpointing them cannot make the gradient check's reference fit."""
+
+    def __init__(self, fn: type, width: int = 256):
+        super().__init__()
+        self.a, self.b, self.c, self.d = (nn.Linear(64, width), nn.Linear(width, width), nn.Linear(width, width),
+                                          nn.Linear(width, 1))
+        self.fn = fn
+
+    def forward(self, x):
+        h = torch.tanh(self.b(torch.tanh(self.a(x))))
+        return self.d(torch.tanh(self.c(self.fn.apply(h)))).square().mean()
+
+
+def test_the_self_check_compares_with_the_models_own_step_where_checkpointing_does_not_fit(monkeypatch):
+    import contextlib
+
+    import graphs.capture
+    from solver.errors import SolverError
+
+    # a capture that does not see the Function: the self-check alone stands between the
+    # captured backward and the user
+    monkeypatch.setattr(graphs.capture, "custom_functions_called", lambda model, found: contextlib.nullcontext())
+    torch.manual_seed(0)
+    model, inputs = Flat(Times10), (torch.randn(512, 64),)
+    plain_peak = measured_peak(model, lambda: model(*inputs), inputs, {})
+    with pytest.raises(SolverError, match="did not reproduce the model's loss and gradients"):
+        solver.optimize(model, 0.8 * plain_peak / GiB, inputs, mode="graph", measure_time=False)
+
+
+def test_the_offloaded_reference_gives_eager_gradients_in_less_memory():
+    from solver.checks import reference_step
+
+    torch.manual_seed(0)
+    model, inputs = Flat(GatedSaved), (torch.randn(512, 64),)
+    expected = _grads(model, inputs)
+    plain_peak = measured_peak(model, lambda: model(*inputs), inputs, {})
+    step = reference_step(model, offload=True)
+    peak = measured_peak(model, lambda: step(model, inputs, {}), inputs, {})
+    assert peak < 0.8 * plain_peak
+    step(model, inputs, {}).backward()
+    for p, g in zip(model.parameters(), expected):
+        torch.testing.assert_close(p.grad, g)
