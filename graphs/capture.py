@@ -45,11 +45,11 @@ from graphs.autocast import autocast_as, autocast_state, no_autocast
 from graphs.compute_graph import BACKWARD_START, ComputeGraph
 from graphs.errors import CaptureError
 from graphs.hardware import Hardware, get_hardware
-from graphs.torch_internals import (FakeTensorMode, aot_export_joint, drop_python_kernels, fake_mode_of, is_fake,
-                                     is_op_overload, lazy_graph_modules, op_schema, override_python_kernels,
+from graphs.torch_internals import (FakeTensorMode, aot_export_joint, custom_functions_called, drop_python_kernels,
+                                     fake_mode_of, is_fake, is_op_overload, lazy_graph_modules, op_schema, override_python_kernels,
                                      tree_flatten, tree_leaves, tree_unflatten)
 
-__all__ = ["capture", "CaptureInfo", "default_loss", "is_random_op", "op_draws", "graph_of_joint"]
+__all__ = ["capture", "CaptureInfo", "default_loss", "is_random_op", "op_draws", "graph_of_joint", "plain_state"]
 
 log = logging.getLogger(__name__)
 
@@ -133,6 +133,42 @@ class _LossStep(torch.nn.Module):
         return loss
 
 
+_PLAIN = (bool, int, float, complex, str, type(None))
+
+
+def _plain(value: Any) -> Any:
+    """``value`` when it is a plain Python constant (or a tuple or list of them, as a
+    tuple), else the marker ``NotImplemented``."""
+    if type(value) in _PLAIN:
+        return value
+    if type(value) in (tuple, list):
+        items = tuple(_plain(v) for v in value)
+        return NotImplemented if any(v is NotImplemented for v in items) else items
+    return NotImplemented
+
+
+def plain_state(model: torch.nn.Module) -> dict[str, tuple]:
+    """What a trace of ``model``'s forward bakes into its graph as constants, per module
+    path: the module's class and its plain attributes (numbers, strings, booleans,
+    ``None`` and tuples or lists of them; ``training`` left out). Tensors, parameters
+    and buffers are not in it: a captured step reads them at each call.
+
+    Examples
+    --------
+    >>> net = torch.nn.Sequential(torch.nn.Linear(2, 2), torch.nn.ReLU())
+    >>> before = plain_state(net)
+    >>> net[1] = torch.nn.GELU()
+    >>> plain_state(net)["1"] == before["1"], plain_state(net)["0"] == before["0"]
+    (False, True)
+    """
+    state = {}
+    for path, module in model.named_modules(remove_duplicate=False):
+        found = ((k, _plain(v)) for k, v in vars(module).items() if k != "training")
+        attrs = tuple(sorted(((k, v) for k, v in found if v is not NotImplemented), key=lambda kv: kv[0]))
+        state[path] = (type(module), attrs)
+    return state
+
+
 @dataclass
 class CaptureInfo:
     """What it takes to re-run the AOTAutograd pipeline on the captured step (in memory).
@@ -163,6 +199,14 @@ class CaptureInfo:
         Set when the joint graph was written from a capture of fewer layers
         (:func:`graphs.repeated.capture_cut` with ``runnable=True``): ``joint`` is then
         that capture's export, and the step runs ``fx`` itself.
+    state : dict
+        :func:`plain_state` of the model when it was captured: the joint graph holds
+        those values as constants.
+    custom_functions : tuple of str
+        The custom :class:`torch.autograd.Function`\\ s that the forward calls on the
+        way to its outputs. The joint graph's backward of their ops is autograd's
+        derivative of what their forward computes, not their own ``backward``: only
+        the model's own forward gives their gradients (see :func:`capture`).
     """
 
     step: torch.nn.Module
@@ -176,6 +220,8 @@ class CaptureInfo:
     backward: str = "loss"
     autocast: tuple = ()
     stitched: Any = None
+    custom_functions: tuple = ()
+    state: dict = field(default_factory=dict)
 
 
 def _export_joint(stack: contextlib.ExitStack, step: torch.nn.Module, flat_inputs: list, fake_mode: Any,
@@ -502,10 +548,13 @@ def capture(
         work_model, flat_in = _to_fake(model, flat_in, fake_mode)
     eargs, ekwargs = tree_unflatten(flat_in, in_spec)
 
-    # 1. forward at ATen level, with source lines
+    # 1. forward at ATen level, with source lines (and the custom autograd Functions that
+    # the trace inlines: it keeps their forward's ops, whose derivative the joint takes)
+    functions: list = []
     try:
         # (the graph modules made on the way generate their code only if run or read)
-        with lazy_graph_modules(), fake_mode if fake_mode is not None else contextlib.nullcontext():
+        with lazy_graph_modules(), fake_mode if fake_mode is not None else contextlib.nullcontext(), \
+                custom_functions_called(work_model, functions):
             ep = torch.export.export(work_model, eargs, ekwargs, strict=False)
     except CaptureError:
         raise
@@ -566,10 +615,16 @@ def capture(
         "torch": torch.__version__,
         "autocast": [f"{device}:{dtype}".replace("torch.", "") for device, dtype in amp],
     })
+    names = tuple(f.__qualname__ for f in functions)
+    if names:
+        cg.meta["custom_functions"] = list(names)
+        log.info("the forward calls custom autograd Functions %s: the captured backward differentiates their "
+                 "forward's ops", ", ".join(names))
     cg.fx = gm
     cg.capture_info = CaptureInfo(step=step, flat_inputs=user_flat, fake_mode=fake_mode, joint=joint, real=real,
                                   input_indices=input_indices, in_spec=in_spec, out_spec=out_spec,
-                                  backward=backward, autocast=amp)
+                                  backward=backward, autocast=amp, custom_functions=names,
+                                  state=plain_state(model))
     return cg
 
 

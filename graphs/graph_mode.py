@@ -24,13 +24,14 @@ from __future__ import annotations
 
 import logging
 import operator
+import warnings
 from typing import Any, Callable, Hashable, Sequence
 
 import torch
 from torch import nn
 
 from graphs.autocast import no_autocast
-from graphs.capture import is_random_op
+from graphs.capture import is_random_op, plain_state
 from graphs.compute_graph import BACKWARD_START, ComputeGraph
 from graphs.costs import _tensor_storage_bytes, annotate_storage
 from graphs.errors import RematError
@@ -384,6 +385,7 @@ class ScheduledStep:
         self.sequence = [str(s) for s in sequence if s != BACKWARD_START]
         self.saved: list[str] = []
         self.info = info
+        self._warned = False  # of a model changed since its capture
         fw_comp = bw_comp = _compiler
         if compiler == "inductor":
             fw_room, bw_room = headroom if isinstance(headroom, tuple) else (headroom, headroom)
@@ -409,7 +411,27 @@ class ScheduledStep:
         self.saved = saved
         return fw, bw
 
+    def changed(self, model: nn.Module) -> list[str]:
+        """The module paths of ``model`` whose class or plain attributes differ from the
+        model's when it was captured (:func:`graphs.capture.plain_state`): the graphs
+        hold the captured values as constants. Modules the capture did not see (layers
+        of a step written from four alike ones) are not compared."""
+        then = self.info.state
+        if not then:
+            return []
+        now = plain_state(model)
+        return [path or "(the model)" for path, was in then.items() if path in now and now[path] != was]
+
     def __call__(self, model: nn.Module, args: tuple, kwargs: dict) -> Any:
+        changed = self.changed(model)
+        if changed:
+            if not self._warned:
+                warnings.warn(f"{type(model).__name__} changed since its step was captured ({', '.join(changed[:5])}: "
+                              "a plain attribute or a submodule was set), and the captured graph holds the old "
+                              "values: this step runs the model's own forward, without the plan's memory savings. "
+                              "Optimize the model again as it is now to plan for it.", stacklevel=3)
+                self._warned = True
+            return type(model).forward(model, *args, **kwargs)
         flat, _ = tree_flatten((args, kwargs))
         user = [flat[i] for i in self.info.input_indices]
         params = [model.get_parameter(_fqn(n)) for n in self.params_spec]

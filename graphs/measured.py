@@ -63,11 +63,20 @@ class ScheduleRun:
 
 class _Runnable(torch.nn.Module):
     """A bare fx graph for an ``fx.Interpreter`` to run: the interpreter reads its
-    ``graph`` and nothing else (no Python code is generated for it)."""
+    ``graph`` (no Python code is generated for it) and the attributes its ``get_attr``
+    nodes name (constants that the trace lifted, such as a ``torch.tensor(...)`` built
+    in the forward), which live on ``owner``, the captured graph module."""
 
-    def __init__(self, graph: fx.Graph) -> None:
+    def __init__(self, graph: fx.Graph, owner: torch.nn.Module) -> None:
         super().__init__()
         self.graph = graph
+        self.__dict__["_owner"] = owner  # not a submodule: its parameters are not this module's
+
+    def __getattr__(self, name: str) -> Any:
+        try:
+            return super().__getattr__(name)
+        except AttributeError:
+            return getattr(self.__dict__["_owner"], name)
 
 
 def _schedule_runner(cg: ComputeGraph, sequence: Sequence[Hashable]) -> tuple[StepRunner, list]:
@@ -81,7 +90,7 @@ def _schedule_runner(cg: ComputeGraph, sequence: Sequence[Hashable]) -> tuple[St
     out_node = next(n for n in reversed(gm.graph.nodes) if n.op == "output")
     num_fwd = len(out_node.args[0]) - len(primals)
     seq = [str(s) for s in sequence if s != BACKWARD_START]
-    fw, bw = (_Runnable(g) for g in schedule_graphs(gm, seq, num_fwd_outputs=num_fwd)[:2])
+    fw, bw = (_Runnable(g, gm) for g in schedule_graphs(gm, seq, num_fwd_outputs=num_fwd)[:2])
     values = real_placeholder_values(placeholders, info.step, info.flat_inputs)
     by_name = dict(zip((p.name for p in placeholders), values))
     primal_values = [by_name[p.name] for p in primals]

@@ -606,3 +606,57 @@ def is_compiled_module(module: Any) -> bool:
     eval_frame = sys.modules.get("torch._dynamo.eval_frame")
     cls = getattr(eval_frame, "OptimizedModule", None)
     return cls is not None and isinstance(module, cls)
+
+
+# ---------------------------------------------------------------- custom autograd Functions
+__all__ += ["custom_functions_called"]
+
+
+@contextlib.contextmanager
+def custom_functions_called(model: torch.nn.Module, found: list) -> Iterator[None]:
+    """Inside the block, each call of ``model`` appends to ``found`` the classes of the
+    custom :class:`torch.autograd.Function`\\ s whose backward its outputs' gradients
+    would run (found in their autograd graph; torch's own Functions are left out). A
+    trace of the forward (``torch.export``) records what such a Function's forward does,
+    not its backward.
+
+    Examples
+    --------
+    >>> class Twice(torch.autograd.Function):
+    ...     @staticmethod
+    ...     def forward(ctx, x): return x.clone()
+    ...     @staticmethod
+    ...     def backward(ctx, g): return 2 * g
+    >>> class Net(torch.nn.Module):
+    ...     def __init__(self): super().__init__(); self.lin = torch.nn.Linear(2, 2)
+    ...     def forward(self, x): return Twice.apply(self.lin(x)).sum()
+    >>> net, found = Net(), []
+    >>> with custom_functions_called(net, found):
+    ...     _ = net(torch.ones(1, 2))
+    >>> [f.__name__ for f in found]
+    ['Twice']
+    """
+    from torch.autograd.function import BackwardCFunction
+
+    def look(module: torch.nn.Module, args: Any, output: Any) -> None:
+        if module is not model:
+            return
+        leaves = tree_leaves(output.to_tuple() if hasattr(output, "to_tuple") else output)
+        todo = [t.grad_fn for t in leaves if isinstance(t, torch.Tensor) and t.grad_fn is not None]
+        seen: set = set()
+        while todo:
+            fn = todo.pop()
+            if fn is None or fn in seen:
+                continue
+            seen.add(fn)
+            if isinstance(fn, BackwardCFunction):
+                cls = getattr(fn, "_forward_cls", type(fn))
+                if not (getattr(cls, "__module__", "") or "").startswith("torch.") and cls not in found:
+                    found.append(cls)
+            todo.extend(nxt for nxt, _ in fn.next_functions)
+
+    handle = torch.nn.modules.module.register_module_forward_hook(look)
+    try:
+        yield
+    finally:
+        handle.remove()

@@ -488,13 +488,18 @@ def _blocks(flat: torch.Tensor) -> torch.Tensor:
     return flat.view(-1, PRINT_BLOCK)
 
 
-def reference_step(model: nn.Module) -> Callable[[nn.Module, tuple, dict], Any]:
+def reference_step(model: nn.Module, *, offload: bool = False) -> Callable[[nn.Module, tuple, dict], Any]:
     """The step a rewrite's gradients are checked against: the model's own forward with
     every layer block under non-reentrant checkpointing, which gives eager's loss and
-    gradients (the recomputation replays the generator state) in a fraction of the
-    plain step's memory, so that checking a plan does not need the memory the plan
-    saves. A model without a ``ModuleList`` or ``Sequential`` of layers runs its plain
-    forward.
+    gradients (the recomputation replays the generator state, and the model's custom
+    ``autograd.Function``\\ s run their own backward) in a fraction of the plain step's
+    memory, so that checking a plan does not need the memory the plan saves. A model
+    without a ``ModuleList`` or ``Sequential`` of layers runs its plain forward.
+
+    ``offload=True``: the plain forward, each tensor it saves for backward written to a
+    temporary file and read back when backward needs it (:class:`_OnDisk`): eager's
+    gradients while the device holds about what a forward without autograd holds,
+    where checkpointed blocks would not fit.
 
     Examples
     --------
@@ -502,15 +507,61 @@ def reference_step(model: nn.Module) -> Callable[[nn.Module, tuple, dict], Any]:
     >>> x = torch.randn(2, 4)
     >>> torch.equal(reference_step(net)(net, (x,), {}), net(x))
     True
+    >>> out = reference_step(net, offload=True)(net, (x,), {})
+    >>> out.sum().backward()
+    >>> torch.equal(out, net(x)) and net[0].weight.grad is not None
+    True
     """
     from graphs.module_mode import layer_blocks
     from graphs.planned import ModuleStep
 
+    if offload:
+        def on_disk(m: nn.Module, args: tuple, kwargs: dict) -> Any:
+            store = _OnDisk(m)
+            with torch.autograd.graph.saved_tensors_hooks(store.pack, store.unpack):
+                return type(m).forward(m, *args, **kwargs)
+        return on_disk
     blocks = layer_blocks(model)
     parent = model.get_submodule(blocks[0].rpartition(".")[0]) if blocks else None
     if not isinstance(parent, (nn.ModuleList, nn.Sequential)):
         return lambda m, args, kwargs: type(m).forward(m, *args, **kwargs)
     return ModuleStep(model, {b: "full" for b in blocks})
+
+
+class _OnDisk:
+    """Saved-tensor hooks that keep what a step saves for backward in files of a
+    temporary folder (removed with the last reference to the store, which autograd's
+    graph holds through the hooks); tensors that share a parameter's or buffer's
+    storage, and small ones, stay where they are."""
+
+    SMALL = 1 << 16  # bytes
+
+    def __init__(self, model: nn.Module) -> None:
+        import shutil
+        import tempfile
+        import weakref
+
+        self.folder = tempfile.mkdtemp(prefix="remat-check-")
+        weakref.finalize(self, shutil.rmtree, self.folder, True)
+        self.resident = {t.untyped_storage().data_ptr() for t in list(model.parameters()) + list(model.buffers())}
+        self.count = 0
+
+    def pack(self, t: torch.Tensor) -> Any:
+        if (t.numel() * t.element_size() < self.SMALL or t.layout != torch.strided
+                or t.untyped_storage().data_ptr() in self.resident):
+            return t
+        import os
+
+        path = os.path.join(self.folder, f"{self.count}.pt")
+        self.count += 1
+        torch.save(t.detach(), path)
+        return path, t.device
+
+    def unpack(self, packed: Any) -> torch.Tensor:
+        if isinstance(packed, torch.Tensor):
+            return packed
+        path, device = packed
+        return torch.load(path, map_location=device, weights_only=True)
 
 
 def _close(x: torch.Tensor | None, y: torch.Tensor | None, compiled: bool) -> bool:

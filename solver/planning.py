@@ -331,12 +331,13 @@ def planning_note(report: Report, cap: Captured, session: Session) -> None:
 def gradient_reference(model: nn.Module, cap: Captured) -> tuple[Callable | None, str | None]:
     """The step a graph-mode rewrite is checked against within the budget, and a note.
 
-    The model's own forward with every layer block checkpointed
-    (:func:`solver.checks.reference_step`) gives eager's gradients; where it is
-    predicted over the budget, the captured step run in the schedule that measured it
-    (its lowest-peak run; for a graph written from four alike layers, which were
-    measured, the whole graph's lowest-peak schedule) is the reference, and the loss
-    is checked against the model's own forward without autograd."""
+    Always the model's own forward, which runs what a captured graph may not (the
+    backward of its custom ``autograd.Function``\\ s): with every layer block
+    checkpointed (:func:`solver.checks.reference_step`, the default, returned as
+    ``None``); where that is predicted over the budget, the plain forward with what it
+    saves for backward kept on disk (``reference_step(model, offload=True)``), whose
+    device memory is about a forward's without autograd."""
+    from solver.checks import reference_step
     from solver.module_plan import BlockIndex, checkpoint_view, plan_schedule
 
     written = cap.cut is not None and cap.cut.template is not None  # the whole step's graph runs
@@ -354,12 +355,9 @@ def gradient_reference(model: nn.Module, cap: Captured) -> tuple[Callable | None
         need = cap.store_all
     if need <= cap.budget:
         return None, None
-    # (a graph written from four layers was measured on them: its lowest-peak schedule)
-    sequence = cap.measured_with if cap.measured_with is not None else lowest_peak_sequence(cg, target=cap.budget)
-    step = ScheduledStep(cg, list(sequence))
-    return step, (f"the gradient check compared the plan with the captured step run at its measured schedule's "
-                  f"peak, and the loss with the model's own forward: the model with its blocks checkpointed "
-                  f"needs {format_bytes(need)}, over the budget")
+    return reference_step(model, offload=True), (
+        f"the gradient check compared the plan with the model's own step, with the tensors it saves for backward "
+        f"kept on disk: the model with its blocks checkpointed needs {format_bytes(need)}, over the budget")
 
 
 def loss_note(report: Report, cg: ComputeGraph, *, loss_fn: Callable[[Any], Any] | None) -> None:
@@ -437,6 +435,14 @@ def plan_graph_checked(model: nn.Module, args: tuple, kwargs: dict, *, cap: Capt
 
     out = plan_graph(cap=cap, request=request, session=session, method=request.method, margin=margin,
                      original_peak=original_peak)
+    functions = getattr(cap.graph.capture_info, "custom_functions", ())
+    if isinstance(out, ScheduledStep) and functions:
+        why = (f"the forward calls custom autograd Functions ({', '.join(functions)}): a captured step runs "
+               "autograd's derivative of their forward's ops, not their own backward")
+        if request.mode_pinned:
+            raise CaptureError(f"{why}; use mode='module' (its steps run the model's own forward, and the "
+                               "Functions' backward), or a budget that fits the plain step")
+        return in_module_mode(why)
     if not isinstance(out, ScheduledStep) or not request.self_check:
         return out
     reference, why = gradient_reference(model, cap)
