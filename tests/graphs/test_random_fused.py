@@ -13,15 +13,7 @@ from graphs.graph_mode import ScheduledStep
 from graphs.rewrite import random_replay, replay_random_ops, rng_state_bytes
 from solver.simulate import simulate
 from tests.emulation import cuda_dispatch
-
-
-def _loss_and_grads(model, run):
-    torch.manual_seed(7)
-    for p in model.parameters():
-        p.grad = None
-    loss = default_loss(run())
-    loss.backward()
-    return loss.detach(), [p.grad.clone() for p in model.parameters()]
+from tests.graphs.test_dropout_draws import _loss_and_grads
 
 
 def test_native_dropout_output_and_mask_are_recomputed_with_the_forwards_draws():
