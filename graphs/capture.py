@@ -49,12 +49,16 @@ from graphs.torch_internals import (FakeTensorMode, aot_export_joint, custom_fun
                                      fake_mode_of, is_fake, is_op_overload, lazy_graph_modules, op_schema, override_python_kernels,
                                      tree_flatten, tree_leaves, tree_unflatten)
 
-__all__ = ["capture", "CaptureInfo", "default_loss", "is_random_op", "op_draws", "graph_of_joint", "plain_state"]
+__all__ = ["capture", "CaptureInfo", "default_loss", "is_random_op", "op_draws", "node_draws", "random_order",
+           "graph_of_joint", "plain_state"]
 
 log = logging.getLogger(__name__)
 
 _RANDOM_OPS = ("rand", "bernoulli", "dropout", "normal", "uniform", "randint", "randperm", "multinomial",
                "exponential", "geometric", "cauchy", "log_normal", "poisson")
+#: parts of op names that a random op's name may contain but that draw nothing: gradients
+#: (``native_dropout_backward``), kernels without dropout, ``poisson_nll_loss``
+_NAMED_BUT_NOT_RANDOM = ("_backward", "no_dropout", "nll_loss")
 _INPLACE_EXEMPT = ("copy_",)
 
 
@@ -403,8 +407,12 @@ def is_random_op(node: torch.fx.Node) -> bool:
 
 
 def _seeded(op: Any) -> bool:
-    """An op overload tagged as drawing from a generator, or named as a random op."""
-    return torch.Tag.nondeterministic_seeded in op.tags or any(r in op.overloadpacket.__name__ for r in _RANDOM_OPS)
+    """An op overload tagged as drawing from a generator, or named as a random op (not
+    a gradient such as ``native_dropout_backward``, which reads the forward's mask)."""
+    if torch.Tag.nondeterministic_seeded in op.tags:
+        return True
+    name = op.overloadpacket.__name__
+    return any(r in name for r in _RANDOM_OPS) and not any(w in name for w in _NAMED_BUT_NOT_RANDOM)
 
 
 def op_draws(op: Any, args: tuple = (), kwargs: dict | None = None) -> bool:
@@ -428,6 +436,41 @@ def op_draws(op: Any, args: tuple = (), kwargs: dict | None = None) -> bool:
         i = names.index("dropout_p")
         return bool((kwargs or {}).get("dropout_p", args[i] if i < len(args) else 0.0))
     return _seeded(op)
+
+
+def node_draws(node: torch.fx.Node) -> bool:
+    """Does this call in an fx graph draw from a random generator (:func:`op_draws` on
+    its target and arguments)? A fused attention with ``dropout_p=0`` does not, though
+    its op is tagged as seeded.
+
+    Examples
+    --------
+    >>> g = torch.fx.Graph(); q = g.placeholder("q")
+    >>> sdpa = torch.ops.aten._scaled_dot_product_flash_attention_for_cpu.default
+    >>> node_draws(g.call_function(sdpa, (q, q, q, 0.0, True))), node_draws(g.call_function(sdpa, (q, q, q, 0.1)))
+    (False, True)
+    >>> node_draws(g.call_function(torch.ops.aten.native_dropout.default, (q, 0.1, True)))
+    True
+    """
+    return node.op == "call_function" and op_draws(node.target, tuple(node.args), dict(node.kwargs))
+
+
+def random_order(cg: ComputeGraph, order: list) -> list:
+    """The random ops of ``cg`` in ``order``, for ``cg.meta["ordered"]``: the nodes
+    that are not recomputable because they draw, the tangents and the start of the
+    backward left out. The projections of a random multi-output op (``native_dropout``'s
+    output and mask, a fused attention's outputs) are all listed, in group order, so the
+    op's first run is the run of its first projection and comes where eager draws it.
+
+    Examples
+    --------
+    >>> g = ComputeGraph()
+    >>> for v, r in [("a", True), ("d0", False), ("d1", False), ("b", False)]: g.add_node(v, recomputable=r)
+    >>> random_order(g, ["a", "d0", "d1", "b"])
+    ['d0', 'd1', 'b']
+    """
+    return [n for n in order if n in cg.nx and cg[n]["op"] not in ("tangent", BACKWARD_START)
+            and not cg[n]["recomputable"]]
 
 
 def capture(
@@ -799,7 +842,7 @@ def _build(gm: torch.fx.GraphModule, storage: dict, *, name: str, shared: dict[s
             flops=int(node.meta.get("remat_flops", 0)),
             time=float(node.meta.get("remat_time", 0.0)),
             workspace=int(node.meta.get("remat_workspace", 0)),
-            recomputable=not is_random_op(node),
+            recomputable=not node_draws(node),
             name=_readable_name(node),
             alias_of=rec.base if rec.alias else None,
             source=costs.source_line(node),
@@ -838,8 +881,7 @@ def _build(gm: torch.fx.GraphModule, storage: dict, *, name: str, shared: dict[s
     # random ops draw from one generator: a schedule must keep their relative order to
     # draw the same numbers as eager (checked by the simulator; not a data edge, which
     # would tie distant blocks together)
-    cg.meta["ordered"] = [n for n in order if n in cg.nx and cg[n]["op"] not in ("tangent", BACKWARD_START)
-                          and not cg[n]["recomputable"] and cg[n].get("group") is None]
+    cg.meta["ordered"] = random_order(cg, order)
     # the forward hands its outputs to the caller, who holds them until the step ends: a
     # copy made again later would not free that one (a schedule that freed the logits
     # after the loss and computed them again at the end was predicted 512 KiB below the

@@ -449,9 +449,17 @@ def _plain_step(fw: Callable, bw: Callable, num_fwd_outputs: int) -> Callable:
     a joint that needs none of AOTAutograd's runtime wrappers
     (:func:`graphs.torch_internals.joint_is_plain`): the forward keeps what the forward
     graph saves, and the backward hands it over in the list that its graph clears as it
-    goes, so each saved value is freed after its last use, as AOTAutograd's runtime does."""
+    goes, so each saved value is freed after its last use, as AOTAutograd's runtime does.
+
+    The output gradients go into that list too: the engine hands them over in a list
+    of their own (``boxed_grads_call``, torch 2.15) that the backward empties, so
+    nothing but the backward graph holds one (the logits' gradient is freed after its
+    last reader, not at the end of the backward), as the plan counts them. With a torch
+    that passes them as arguments, the engine holds them until the backward ends."""
 
     class _Step(torch.autograd.Function):
+        boxed_grads_call = True  # the output gradients arrive in one list that backward may empty
+
         @staticmethod
         def forward(ctx: Any, *args: Any) -> Any:
             out = fw(list(args))
@@ -466,13 +474,17 @@ def _plain_step(fw: Callable, bw: Callable, num_fwd_outputs: int) -> Callable:
             return tuple(out[:num_fwd_outputs])
 
         @staticmethod
-        def backward(ctx: Any, *grads: Any) -> Any:
+        def backward(ctx: Any, *args: Any) -> Any:
+            boxed = len(args) == 1 and isinstance(args[0], list)
+            grads = args[0] if boxed else list(args)
+            del args
             tensors = iter(ctx.saved_tensors)
             kept = [next(tensors) if v is _SAVED else v for v in ctx.others]
             del tensors
             clear_saved_tensors(ctx)
             kept.extend(torch.zeros(shape, dtype=dtype, device=device) if g is None else g.contiguous()
                         for g, (shape, dtype, device) in zip(grads, ctx.outputs))
+            grads.clear()  # the backward graph's list holds them now, and frees each after its last use
             with no_autocast():  # the graph holds the casts of the autocast state it was captured in
                 return tuple(bw(kept))
 

@@ -493,8 +493,9 @@ def repeat_layers(graph: ComputeGraph, *, parent: str, count: int) -> ComputeGra
                 out.extend(at(j, u) for u in bwd2)
             out.append(v)
     g.order = out
-    g.meta["ordered"] = [v for v in out if g[v]["op"] not in ("tangent", BACKWARD_START)
-                         and not g[v]["recomputable"] and g[v].get("group") is None]
+    from graphs.capture import random_order
+
+    g.meta["ordered"] = random_order(g, out)
     g.meta["repeated"] = {"layers": count, "template": f"{parent}.2" if parent else "2", "captured": _KEPT}
     log.info("repeat_layers: %d layers from %d captured (%d nodes)", count, _KEPT, len(g))
     return g.validate()

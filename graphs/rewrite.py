@@ -14,11 +14,13 @@ Both graphs use the boxed calling convention, so an input is released as soon as
 graph no longer needs it, and fx's code generation frees every value after its last use.
 AOTAutograd's runtime runs the pair as one autograd function.
 
-A random op (dropout's ``bernoulli``...) that the schedule runs more than once draws the
-same numbers every time: before its first run the graph takes a copy of the device's
-generator state (a small tensor, saved for backward like any value), and every later run
-sets that state, runs the op and puts the generator back as it was, so the draws of the
-step as a whole are those of eager.
+A random op (dropout's ``bernoulli``, CUDA's ``native_dropout``, a fused attention with
+``dropout_p > 0``) that the schedule runs more than once draws the same numbers every
+time: before its first run the graph takes a copy of the device's generator state (a
+small tensor, saved for backward like any value), and every later run sets that state,
+runs the op and puts the generator back as it was, so the draws of the step as a whole
+are those of eager. A multi-output random op is run by its projections: a projection
+that starts a run of the op replays the state, one that continues the run does not.
 
 A schedule names the ops of a :class:`~graphs.ComputeGraph` whose node ids are the joint
 graph's node names. Joint nodes the schedule does not name (``getitem`` projections of a
@@ -36,7 +38,7 @@ from typing import Hashable, Iterable, Sequence
 import torch
 import torch.fx as fx
 
-from graphs.capture import is_random_op
+from graphs.capture import node_draws
 from graphs.errors import RematError
 from graphs.fixed import charge
 from graphs.torch_internals import boxed_codegen, fake_value, is_op_overload, lazy_graph_module, op_schema
@@ -148,7 +150,8 @@ def replay_random_ops(graph) -> int:
     :func:`partition_by_schedule` replays a random op's generator state, so its draws
     are the same on every run: the ops become ``recomputable`` (the simulator still
     keeps their first runs in the reference order, ``meta["ordered"]``). Each kept
-    state is charged to the fixed bytes when it lives on the device (on CPU). What it
+    state (one per op: the projections of a multi-output op such as ``native_dropout``
+    share theirs) is charged to the fixed bytes when it lives on the device (on CPU). What it
     did is the graph's :class:`RandomReplay` record (:func:`random_replay`); a graph
     that has one is left as it is, so calling it again changes nothing.
 
@@ -176,20 +179,37 @@ def replay_random_ops(graph) -> int:
               and not (graph[v]["output"] and graph[v]["phase"] == "forward")]
     for v in random:
         graph[v]["recomputable"] = True
+    # one state per op that draws: the projections of a multi-output op share their op's
+    states = len({graph[v].get("group") or v for v in random})
     # CPU generator states live in the same (host) memory as the tensors; CUDA ones do not
     info = graph.capture_info
     inputs = getattr(info, "flat_inputs", None) or []
     on_cpu = not any(isinstance(t, torch.Tensor) and t.device.type == "cuda" for t in inputs)
-    extra = len(random) * rng_state_bytes("cpu") if on_cpu else 0
+    extra = states * rng_state_bytes("cpu") if on_cpu else 0
     charge(graph, rng_states=extra)
     graph.meta[_REPLAY_KEY] = dataclasses.asdict(RandomReplay(ops=tuple(random), state_bytes=extra))
     graph._invalidate()
     return len(random)
 
 
-def _device_of(node: fx.Node) -> torch.device:
-    val = node.meta.get("val")
-    return val.device if isinstance(val, torch.Tensor) else torch.device("cpu")
+def _drawing_op(node: fx.Node) -> fx.Node | None:
+    """The op whose run draws random numbers when ``node`` runs: ``node`` itself, or for
+    a projection (``getitem``) the multi-output op it runs; None if nothing draws."""
+    if _is_projection(node) and isinstance(node.args[0], fx.Node):
+        node = node.args[0]
+    return node if node_draws(node) else None
+
+
+def _draw_device(op: fx.Node) -> torch.device:
+    """The device whose generator ``op`` draws from: that of its first tensor input (a
+    fused attention's seed and offset outputs may live on the host)."""
+    for u in op.all_input_nodes:
+        val = u.meta.get("val")
+        if isinstance(val, torch.Tensor):
+            return val.device
+    val = op.meta.get("val")
+    first = next((v for v in (val if isinstance(val, (tuple, list)) else [val]) if isinstance(v, torch.Tensor)), None)
+    return first.device if first is not None else torch.device("cpu")
 
 
 def boxed(gm: fx.GraphModule) -> fx.GraphModule:
@@ -292,19 +312,23 @@ def schedule_graphs(
         raise RewriteError(f"forward reads {u.name!r} before the schedule computes it")
 
     run_of = _runs(seq, nodes, scheduled)
-    counts: dict[str, int] = {}
-    for s in seq:
-        counts[s] = counts.get(s, 0) + 1
-    replayed = {s for s, c in counts.items() if c > 1 and is_random_op(nodes[s])}
+    drawer = [_drawing_op(nodes[s]) for s in seq]
+    runs: dict[str, int] = {}
+    for i, d in enumerate(drawer):
+        if d is not None and not run_of[i]:
+            runs[d.name] = runs.get(d.name, 0) + 1
+    replayed = {d for d, c in runs.items() if c > 1}
     runs_so_far: dict[str, int] = {}
 
     def run_step(g: fx.Graph, env: dict, i: int, s: str, resolve, saved_state) -> None:
         node = nodes[s]
         _start_run(node, env, run_of[i], scheduled)
-        if s not in replayed:
+        op = drawer[i]
+        if op is None or op.name not in replayed or run_of[i]:
             new = _emit(g, node, env, scheduled, resolve)
         else:  # the same draws every run: keep the generator state of the first, replay it
-            key, dev = _RNG_KEY + s, _device_of(node)
+            s = op.name
+            key, dev = _RNG_KEY + s, _draw_device(op)
             if not runs_so_far.get(s):
                 env[key] = g.call_function(_rng_state, (dev,))
                 env[key].meta["val"] = fake_value(_rng_state(dev), like=placeholders)
@@ -316,7 +340,7 @@ def schedule_graphs(
                 prev = g.call_function(_rng_swap, (env[key] if key in env else saved_state(key), dev))
                 new = _emit(g, node, env, scheduled, resolve)
                 g.call_function(_rng_restore, (prev, dev, new))
-        runs_so_far[s] = runs_so_far.get(s, 0) + 1
+            runs_so_far[s] = runs_so_far.get(s, 0) + 1
         new.meta["remat_step"] = i
 
     def no_saved_state(key: str) -> fx.Node:
