@@ -55,24 +55,70 @@ class ModulePlanError(RematError, ValueError):
     """A module plan that names unknown submodules or actions."""
 
 
-def layer_blocks(model: nn.Module) -> list[str]:
-    """Module paths of a model's layers: the children of its longest ``ModuleList`` or
-    ``Sequential`` (a transformer's decoder layers, a CNN's stages), else its top-level
-    children.
+def layer_blocks(model: nn.Module, *, blocks: Iterable[str] | None = None) -> list[str]:
+    """Module paths of a model's repeated layers: a transformer's layers (HF
+    ``model.layers``, ``transformer.h``, ``encoder.layer``; torchvision's
+    ``encoder.layers``), a ResNet's residual blocks in every stage; chosen by structure
+    and by the share of the parameters they hold (:func:`graphs.layers.pick_layers`),
+    not by the longest container. A model without two alike submodules gives its
+    top-level children.
+
+    Parameters
+    ----------
+    model : torch.nn.Module
+    blocks : iterable of str, optional
+        Module paths chosen by the caller: checked (each names a submodule, none lies
+        inside another) and returned as given.
+
+    Returns
+    -------
+    list of str
+
+    Raises
+    ------
+    ModulePlanError
+        A name in ``blocks`` that is not a submodule, or one inside another.
 
     Examples
     --------
     >>> net = nn.Sequential(nn.Linear(2, 2), nn.ReLU(), nn.Linear(2, 1))
     >>> layer_blocks(net)
     ['0', '1', '2']
+    >>> layer_blocks(net, blocks=["3"])
+    Traceback (most recent call last):
+    ...
+    graphs.module_mode.ModulePlanError: blocks=: the model has no submodule '3' (its layers are ['0', '1', '2'])
     """
-    best: list[str] = []
-    for name, mod in model.named_modules():
-        if isinstance(mod, (nn.ModuleList, nn.Sequential)) and len(mod) >= 2:
-            kids = [f"{name}.{k}" if name else k for k, _ in mod.named_children()]
-            if len(kids) > len(best):
-                best = kids
-    return best or [k for k, _ in model.named_children()]
+    if blocks is not None:
+        return _checked_blocks(model, list(blocks))
+    from graphs.layers import ModuleInfo, pick_layers
+
+    mods = list(model.named_modules())
+    weight: dict[str, float] = {}
+    for name, mod in reversed(mods):  # children before parents
+        own = sum(p.numel() for p in mod.parameters(recurse=False))
+        weight[name] = float(own + sum(weight.get(f"{name}.{k}" if name else k, 0.0)
+                                       for k, _ in mod.named_children()))
+    info = {name: ModuleInfo(type(mod).__qualname__, weight[name],
+                             isinstance(mod, (nn.ModuleList, nn.Sequential, nn.ModuleDict)))
+            for name, mod in mods}
+    return pick_layers(info) or [k for k, _ in model.named_children()]
+
+
+def _checked_blocks(model: nn.Module, names: list[str]) -> list[str]:
+    for name in names:
+        try:
+            model.get_submodule(name)
+        except AttributeError:
+            raise ModulePlanError(f"blocks=: the model has no submodule {name!r} (its layers are "
+                                  f"{layer_blocks(model)})") from None
+    for a in names:
+        for b in names:
+            if a != b and (b.startswith(a + ".") or a == ""):
+                raise ModulePlanError(f"blocks=: {b!r} lies inside {a!r}; name one of them")
+    if len(set(names)) != len(names):
+        raise ModulePlanError(f"blocks=: a name appears twice in {names}")
+    return names
 
 
 def _active_plan() -> Mapping[str, str] | None:
