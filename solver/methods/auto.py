@@ -246,7 +246,10 @@ def solve_auto(graph: ComputeGraph, budget: int, *, time_limit: float | None = N
         ``exact=False`` skips the exact methods; ``bound=False`` skips the lower bound;
         ``drop=False`` keeps the winner's recomputations as they are;
         ``gap_tolerance`` (default :data:`GAP_TOLERANCE`, 1 %): once the proven gap on
-        the extra compute is at most this, auto stops searching and proving and returns.
+        the extra compute is at most this, auto stops searching and proving and returns;
+        ``starts``: schedules to begin from (each is a candidate that keeps its
+        ``method`` name; on a training graph the schedule of checkpointing every layer
+        block, :func:`~solver.methods.blocks.per_block_schedule`, always is).
 
     Returns
     -------
@@ -289,6 +292,7 @@ def solve_auto(graph: ComputeGraph, budget: int, *, time_limit: float | None = N
     use_exact = (not unlimited) if asked_exact is None else bool(asked_exact)
     use_bound = options.pop("bound", True)
     use_drop = options.pop("drop", True)
+    given = list(options.pop("starts", None) or ())
     tolerance = float(options.pop("gap_tolerance", GAP_TOLERANCE))
     if not tolerance >= 0:
         raise ValueError(f"gap_tolerance must be a fraction >= 0, got {tolerance!r}")
@@ -414,6 +418,21 @@ def solve_auto(graph: ComputeGraph, budget: int, *, time_limit: float | None = N
         # 1. store-all
         run("store_all", "the reference order fits the budget: no extra compute")
     else:
+        # 1b. the given starting schedules and, on a training graph, checkpointing every
+        #     layer block (the one-line alternative): a floor that every later step
+        #     improves on, and a start of the search over recomputations
+        if training:
+            from solver.methods.blocks import per_block_schedule
+
+            given.append(per_block_schedule(graph))
+        for start in (s for s in given if s is not None):
+            name = start.method or "start"
+            if simulate(graph, start).peak_bytes > budget:
+                tried[name] = "over budget"
+                continue
+            consider(name, Schedule(sequence=list(start.sequence), offloads=list(start.offloads),
+                                    bandwidth=start.bandwidth, method=name, info=dict(start.info)),
+                     "checkpointing every layer block" if name == "per_block" else "a given starting schedule")
         # 2. eviction on the reference order: fast, near-optimal on training graphs
         run("eviction", "DTR-style eviction on the reference order",
             time_limit=max(0.1, min(1.0 if unlimited else 2.0, 0.2 * limit)), ix=ix)
