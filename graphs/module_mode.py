@@ -195,18 +195,23 @@ def _buffers_snapshot(module: nn.Module) -> list[tuple[torch.Tensor, torch.Tenso
     return [(b, b.detach().clone()) for b in module.buffers() if b is not None]
 
 
-def _context_fn(module: nn.Module, action: str):
+def _context_fn(module: nn.Module, action: str, owner: "_BlockForward | None" = None):
     """Contexts for checkpoint: forward as is; recomputation flagged, with the module's
-    buffers restored afterwards so that running statistics are updated once."""
+    buffers restored afterwards so that running statistics are updated once. Under a
+    selective policy, the draws of random ops are replayed (:class:`_DrawReplay`) unless
+    ``owner``'s block drew nothing on its first checkpointed forward: a block without
+    random ops then runs with torch's selective-checkpoint mode alone."""
 
     def make():
         if action in (LayerAction.SELECTIVE, LayerAction.SAVE_MATMULS):
             from torch.utils.checkpoint import create_selective_checkpoint_contexts
 
-            draws = _DrawReplay()
             fwd_ctx, rec_ctx = create_selective_checkpoint_contexts(selective_policy(action=action))
-            fwd_ctx, rec_ctx = (_Stacked(fwd_ctx, draws.mode(recompute=False)),
-                                _Stacked(rec_ctx, draws.mode(recompute=True)))
+            if owner is None or owner.draws is not False:
+                draws = _DrawReplay()
+                noted = None if owner is None else (lambda: owner.saw_draws(bool(draws.states)))
+                fwd_ctx, rec_ctx = (_Stacked(fwd_ctx, draws.mode(recompute=False), after=noted),
+                                    _Stacked(rec_ctx, draws.mode(recompute=True)))
         else:
             fwd_ctx, rec_ctx = contextlib.nullcontext(), contextlib.nullcontext()
         return fwd_ctx, _RecomputeContext(module, rec_ctx)
@@ -257,10 +262,11 @@ class _DrawReplay:
 
 
 class _Stacked:
-    """Enter ``inner``, then ``mode`` above it; leave in the reverse order."""
+    """Enter ``inner``, then ``mode`` above it; leave in the reverse order, then call
+    ``after()`` (when given)."""
 
-    def __init__(self, inner, mode) -> None:
-        self.inner, self.mode = inner, mode
+    def __init__(self, inner, mode, after: Callable[[], None] | None = None) -> None:
+        self.inner, self.mode, self.after = inner, mode, after
 
     def __enter__(self):
         out = self.inner.__enter__()
@@ -272,6 +278,8 @@ class _Stacked:
             self.mode.__exit__(*exc)
         finally:
             out = self.inner.__exit__(*exc)
+        if self.after is not None and exc[0] is None:
+            self.after()
         return out
 
 
@@ -305,7 +313,14 @@ class _BlockForward:
 
     def __init__(self, module: nn.Module, name: str, original: Callable) -> None:
         self.module, self.name, self.__remat_original__ = module, name, original
+        #: whether the block's first checkpointed forward under a selective policy drew
+        #: random numbers (None: not run yet); one that did not runs without the replay
+        self.draws: bool | None = None
         functools.update_wrapper(self, original)  # signature and name of the block's forward
+
+    def saw_draws(self, drew: bool) -> None:
+        if self.draws is None:
+            self.draws = drew
 
     def __call__(self, *args: Any, **kwargs: Any) -> Any:
         original, module = self.__remat_original__, self.module
@@ -318,7 +333,7 @@ class _BlockForward:
                 return original(*args, **kwargs)
         return checkpoint(
             original, *args, use_reentrant=False, preserve_rng_state=True,
-            context_fn=_context_fn(module, action), **kwargs,
+            context_fn=_context_fn(module, action, self), **kwargs,
         )
 
 
