@@ -43,7 +43,8 @@ from torch.utils.checkpoint import checkpoint
 from graphs.actions import LayerAction, op_packet, saves_output
 from graphs.errors import RematError
 
-__all__ = ["LAYER_ACTIONS", "apply_module_plan", "layer_blocks", "selective_policy", "ModulePlanError"]
+__all__ = ["LAYER_ACTIONS", "apply_module_plan", "layer_blocks", "selective_policy", "ModulePlanError",
+           "measure_block_actions"]
 
 #: the actions a plan may name (:class:`graphs.actions.LayerAction`)
 LAYER_ACTIONS = tuple(a.value for a in LayerAction)
@@ -402,3 +403,130 @@ def apply_module_plan(model: nn.Module, plan: Mapping[str, str]) -> nn.Module:
     wrapper.forward = forward
     wrapper.remat_plan = frozen
     return wrapper
+
+
+class _Stop(Exception):
+    """Ends a forward once a block's inputs are seen."""
+
+
+def _block_inputs(model: nn.Module, block: str, args: tuple, kwargs: Mapping[str, Any]) -> tuple[tuple, dict]:
+    """The inputs ``block`` gets in a forward of ``model`` (the forward stops there),
+    detached, floating ones requiring gradients as in training."""
+    seen: list = []
+
+    def grab(_module, a, k):
+        seen.append((a, k))
+        raise _Stop
+
+    sub = model.get_submodule(block)
+    handle = sub.register_forward_pre_hook(grab, with_kwargs=True)
+    try:
+        with torch.no_grad():
+            model(*args, **dict(kwargs))
+    except _Stop:
+        pass
+    finally:
+        handle.remove()
+    if not seen:
+        raise ModulePlanError(f"the block {block!r} did not run in the model's forward; name a block that runs")
+
+    def prepared(x):
+        if isinstance(x, torch.Tensor):
+            x = x.detach().clone()
+            return x.requires_grad_(True) if x.is_floating_point() else x
+        return x
+
+    from graphs.torch_internals import tree_flatten, tree_unflatten
+
+    leaves, spec = tree_flatten((tuple(seen[0][0]), dict(seen[0][1])))
+    a, k = tree_unflatten([prepared(x) for x in leaves], spec)
+    return a, k
+
+
+def measure_block_actions(model: nn.Module, args: tuple, kwargs: Mapping[str, Any] | None = None, *, block: str,
+                          actions: Iterable[str] = ("none", "full", "save_matmuls"), repeats: int = 3,
+                          warmup: int = 1) -> dict[str, float]:
+    """Seconds of one forward and backward of ``block`` under each action, on the inputs
+    it gets in ``model``'s forward: what a selective policy costs (torch's dispatch mode
+    on every op, the replay of draws) next to checkpointing the block whole, on this
+    machine, where the graph's op times leave it out.
+
+    Process CPU time on CPU; on an accelerator, wall time with the device synchronized
+    around each run. The median of ``repeats`` runs after ``warmup``, the actions taking
+    turns.
+
+    Parameters
+    ----------
+    model : torch.nn.Module
+        In training mode.
+    args, kwargs
+        A batch of the model's inputs.
+    block : str
+        A module path (one of :func:`layer_blocks`).
+    actions : iterable of str
+    repeats, warmup : int
+
+    Returns
+    -------
+    dict
+        Action -> seconds.
+
+    Examples
+    --------
+    >>> net = nn.Sequential(nn.Sequential(nn.Linear(8, 8), nn.GELU()), nn.Linear(8, 1))
+    >>> times = measure_block_actions(net, (torch.randn(4, 8),), block="0", repeats=1)
+    >>> sorted(times), all(t > 0 for t in times.values())
+    (['full', 'none', 'save_matmuls'], True)
+    """
+    import statistics
+    import time
+
+    actions = list(dict.fromkeys(actions))
+    for a in actions:
+        if a not in LAYER_ACTIONS:
+            raise ModulePlanError(f"unknown action {a!r}; choose among {LAYER_ACTIONS}")
+    with torch.random.fork_rng(devices=[]):
+        bargs, bkwargs = _block_inputs(model, block, args, kwargs or {})
+    sub = model.get_submodule(block)
+    wrapped = _BlockForward(sub, block, sub.forward)
+    device = next((t.device for t in bargs if isinstance(t, torch.Tensor)), torch.device("cpu"))
+    accelerator = device.type not in ("cpu", "meta")
+    stats = (torch.cuda if device.type == "cuda" else torch.accelerator) if accelerator else None
+    params = [p for p in sub.parameters() if p.requires_grad]
+    grads = [p.grad for p in params]
+
+    def once(action: str) -> float:
+        if accelerator:
+            stats.synchronize(device)
+        t0 = time.perf_counter() if accelerator else time.process_time()
+        with _plan_active({block: action}):
+            out = wrapped(*bargs, **bkwargs)
+        leaves = [t for t in _tensors(out) if t.requires_grad]
+        if leaves:
+            torch.autograd.backward([t.float().sum() for t in leaves])
+        if accelerator:
+            stats.synchronize(device)
+        return (time.perf_counter() if accelerator else time.process_time()) - t0
+
+    snapshot = _buffers_snapshot(sub)
+    times: dict[str, list[float]] = {a: [] for a in actions}
+    try:
+        with torch.random.fork_rng(devices=[device] if accelerator else []):  # the user's draws stay theirs
+            for k in range(warmup + repeats):
+                for a in actions:
+                    t = once(a)
+                    if k >= warmup:
+                        times[a].append(t)
+    finally:  # the gradients and buffers as found (graphs does not use solver.checks.step_undone)
+        for p, g in zip(params, grads):
+            p.grad = g
+        with torch.no_grad():
+            for buf, saved in snapshot:
+                buf.copy_(saved)
+    return {a: statistics.median(v) for a, v in times.items()}
+
+
+def _tensors(out: Any) -> list:
+    from graphs.torch_internals import tree_leaves
+
+    return [t for t in tree_leaves(out) if isinstance(t, torch.Tensor)]
