@@ -179,8 +179,10 @@ def graph_layer_blocks(graph: ComputeGraph) -> list[str]:
     for p in paths:
         names = [k.rsplit(".", 1)[-1] for k in kids.get(p, [])]
         listlike = bool(names) and all(n.isdigit() for n in names)
-        # (list-like containers are alike whatever their layers: a ResNet's stages)
-        modules[p] = ModuleInfo("list" if listlike else frozenset(below[p]), weight[p], listlike)
+        # (list-like containers of layers are alike whatever their layers: a ResNet's
+        # stages; a list of single ops is not one of them)
+        kind = ("list", all(k in kids for k in kids.get(p, []))) if listlike else frozenset(below[p])
+        modules[p] = ModuleInfo(kind, weight[p], listlike)
     return pick_layers(modules)
 
 

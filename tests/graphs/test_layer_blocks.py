@@ -9,6 +9,7 @@ from torch import nn
 from graphs.layers import graph_layer_blocks, node_blocks
 from graphs.module_mode import ModulePlanError, layer_blocks
 from graphs.errors import RematError
+from examples.models import unet
 from tests.graphs.torchvision_like import resnet18, vit
 
 
@@ -91,7 +92,8 @@ def test_policy_layer_blocks_is_the_same():
 @pytest.mark.parametrize("build, args", [
     (lambda: resnet18(), lambda: (torch.randn(2, 3, 32, 32),)),
     (lambda: vit(num_layers=3), lambda: (torch.randn(2, 3, 32, 32),)),
-])
+    (lambda: unet()[0], lambda: unet()[1]),  # its middle is a Sequential of single ops
+], ids=["resnet18", "vit", "unet"])
 def test_the_dag_gives_the_blocks_the_model_does(build, args):
     from graphs.capture import capture
 
