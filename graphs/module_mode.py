@@ -43,7 +43,8 @@ from torch.utils.checkpoint import checkpoint
 from graphs.actions import LayerAction, op_packet, saves_output
 from graphs.errors import RematError
 
-__all__ = ["LAYER_ACTIONS", "apply_module_plan", "layer_blocks", "selective_policy", "ModulePlanError"]
+__all__ = ["LAYER_ACTIONS", "apply_module_plan", "layer_blocks", "selective_policy", "ModulePlanError",
+           "measure_block_actions"]
 
 #: the actions a plan may name (:class:`graphs.actions.LayerAction`)
 LAYER_ACTIONS = tuple(a.value for a in LayerAction)
@@ -55,24 +56,70 @@ class ModulePlanError(RematError, ValueError):
     """A module plan that names unknown submodules or actions."""
 
 
-def layer_blocks(model: nn.Module) -> list[str]:
-    """Module paths of a model's layers: the children of its longest ``ModuleList`` or
-    ``Sequential`` (a transformer's decoder layers, a CNN's stages), else its top-level
-    children.
+def layer_blocks(model: nn.Module, *, blocks: Iterable[str] | None = None) -> list[str]:
+    """Module paths of a model's repeated layers: a transformer's layers (HF
+    ``model.layers``, ``transformer.h``, ``encoder.layer``; torchvision's
+    ``encoder.layers``), a ResNet's residual blocks in every stage; chosen by structure
+    and by the share of the parameters they hold (:func:`graphs.layers.pick_layers`),
+    not by the longest container. A model without two alike submodules gives its
+    top-level children.
+
+    Parameters
+    ----------
+    model : torch.nn.Module
+    blocks : iterable of str, optional
+        Module paths chosen by the caller: checked (each names a submodule, none lies
+        inside another) and returned as given.
+
+    Returns
+    -------
+    list of str
+
+    Raises
+    ------
+    ModulePlanError
+        A name in ``blocks`` that is not a submodule, or one inside another.
 
     Examples
     --------
     >>> net = nn.Sequential(nn.Linear(2, 2), nn.ReLU(), nn.Linear(2, 1))
     >>> layer_blocks(net)
     ['0', '1', '2']
+    >>> layer_blocks(net, blocks=["3"])
+    Traceback (most recent call last):
+    ...
+    graphs.module_mode.ModulePlanError: blocks=: the model has no submodule '3' (its layers are ['0', '1', '2'])
     """
-    best: list[str] = []
-    for name, mod in model.named_modules():
-        if isinstance(mod, (nn.ModuleList, nn.Sequential)) and len(mod) >= 2:
-            kids = [f"{name}.{k}" if name else k for k, _ in mod.named_children()]
-            if len(kids) > len(best):
-                best = kids
-    return best or [k for k, _ in model.named_children()]
+    if blocks is not None:
+        return _checked_blocks(model, list(blocks))
+    from graphs.layers import ModuleInfo, pick_layers
+
+    mods = list(model.named_modules())
+    weight: dict[str, float] = {}
+    for name, mod in reversed(mods):  # children before parents
+        own = sum(p.numel() for p in mod.parameters(recurse=False))
+        weight[name] = float(own + sum(weight.get(f"{name}.{k}" if name else k, 0.0)
+                                       for k, _ in mod.named_children()))
+    info = {name: ModuleInfo(type(mod).__qualname__, weight[name],
+                             isinstance(mod, (nn.ModuleList, nn.Sequential, nn.ModuleDict)))
+            for name, mod in mods}
+    return pick_layers(info) or [k for k, _ in model.named_children()]
+
+
+def _checked_blocks(model: nn.Module, names: list[str]) -> list[str]:
+    for name in names:
+        try:
+            model.get_submodule(name)
+        except AttributeError:
+            raise ModulePlanError(f"blocks=: the model has no submodule {name!r} (its layers are "
+                                  f"{layer_blocks(model)})") from None
+    for a in names:
+        for b in names:
+            if a != b and (b.startswith(a + ".") or a == ""):
+                raise ModulePlanError(f"blocks=: {b!r} lies inside {a!r}; name one of them")
+    if len(set(names)) != len(names):
+        raise ModulePlanError(f"blocks=: a name appears twice in {names}")
+    return names
 
 
 def _active_plan() -> Mapping[str, str] | None:
@@ -149,18 +196,23 @@ def _buffers_snapshot(module: nn.Module) -> list[tuple[torch.Tensor, torch.Tenso
     return [(b, b.detach().clone()) for b in module.buffers() if b is not None]
 
 
-def _context_fn(module: nn.Module, action: str):
+def _context_fn(module: nn.Module, action: str, owner: "_BlockForward | None" = None):
     """Contexts for checkpoint: forward as is; recomputation flagged, with the module's
-    buffers restored afterwards so that running statistics are updated once."""
+    buffers restored afterwards so that running statistics are updated once. Under a
+    selective policy, the draws of random ops are replayed (:class:`_DrawReplay`) unless
+    ``owner``'s block drew nothing on its first checkpointed forward: a block without
+    random ops then runs with torch's selective-checkpoint mode alone."""
 
     def make():
         if action in (LayerAction.SELECTIVE, LayerAction.SAVE_MATMULS):
             from torch.utils.checkpoint import create_selective_checkpoint_contexts
 
-            draws = _DrawReplay()
             fwd_ctx, rec_ctx = create_selective_checkpoint_contexts(selective_policy(action=action))
-            fwd_ctx, rec_ctx = (_Stacked(fwd_ctx, draws.mode(recompute=False)),
-                                _Stacked(rec_ctx, draws.mode(recompute=True)))
+            if owner is None or owner.draws is not False:
+                draws = _DrawReplay()
+                noted = None if owner is None else (lambda: owner.saw_draws(bool(draws.states)))
+                fwd_ctx, rec_ctx = (_Stacked(fwd_ctx, draws.mode(recompute=False), after=noted),
+                                    _Stacked(rec_ctx, draws.mode(recompute=True)))
         else:
             fwd_ctx, rec_ctx = contextlib.nullcontext(), contextlib.nullcontext()
         return fwd_ctx, _RecomputeContext(module, rec_ctx)
@@ -211,10 +263,11 @@ class _DrawReplay:
 
 
 class _Stacked:
-    """Enter ``inner``, then ``mode`` above it; leave in the reverse order."""
+    """Enter ``inner``, then ``mode`` above it; leave in the reverse order, then call
+    ``after()`` (when given)."""
 
-    def __init__(self, inner, mode) -> None:
-        self.inner, self.mode = inner, mode
+    def __init__(self, inner, mode, after: Callable[[], None] | None = None) -> None:
+        self.inner, self.mode, self.after = inner, mode, after
 
     def __enter__(self):
         out = self.inner.__enter__()
@@ -226,6 +279,8 @@ class _Stacked:
             self.mode.__exit__(*exc)
         finally:
             out = self.inner.__exit__(*exc)
+        if self.after is not None and exc[0] is None:
+            self.after()
         return out
 
 
@@ -259,7 +314,14 @@ class _BlockForward:
 
     def __init__(self, module: nn.Module, name: str, original: Callable) -> None:
         self.module, self.name, self.__remat_original__ = module, name, original
+        #: whether the block's first checkpointed forward under a selective policy drew
+        #: random numbers (None: not run yet); one that did not runs without the replay
+        self.draws: bool | None = None
         functools.update_wrapper(self, original)  # signature and name of the block's forward
+
+    def saw_draws(self, drew: bool) -> None:
+        if self.draws is None:
+            self.draws = drew
 
     def __call__(self, *args: Any, **kwargs: Any) -> Any:
         original, module = self.__remat_original__, self.module
@@ -272,7 +334,7 @@ class _BlockForward:
                 return original(*args, **kwargs)
         return checkpoint(
             original, *args, use_reentrant=False, preserve_rng_state=True,
-            context_fn=_context_fn(module, action), **kwargs,
+            context_fn=_context_fn(module, action, self), **kwargs,
         )
 
 
@@ -341,3 +403,130 @@ def apply_module_plan(model: nn.Module, plan: Mapping[str, str]) -> nn.Module:
     wrapper.forward = forward
     wrapper.remat_plan = frozen
     return wrapper
+
+
+class _Stop(Exception):
+    """Ends a forward once a block's inputs are seen."""
+
+
+def _block_inputs(model: nn.Module, block: str, args: tuple, kwargs: Mapping[str, Any]) -> tuple[tuple, dict]:
+    """The inputs ``block`` gets in a forward of ``model`` (the forward stops there),
+    detached, floating ones requiring gradients as in training."""
+    seen: list = []
+
+    def grab(_module, a, k):
+        seen.append((a, k))
+        raise _Stop
+
+    sub = model.get_submodule(block)
+    handle = sub.register_forward_pre_hook(grab, with_kwargs=True)
+    try:
+        with torch.no_grad():
+            model(*args, **dict(kwargs))
+    except _Stop:
+        pass
+    finally:
+        handle.remove()
+    if not seen:
+        raise ModulePlanError(f"the block {block!r} did not run in the model's forward; name a block that runs")
+
+    def prepared(x):
+        if isinstance(x, torch.Tensor):
+            x = x.detach().clone()
+            return x.requires_grad_(True) if x.is_floating_point() else x
+        return x
+
+    from graphs.torch_internals import tree_flatten, tree_unflatten
+
+    leaves, spec = tree_flatten((tuple(seen[0][0]), dict(seen[0][1])))
+    a, k = tree_unflatten([prepared(x) for x in leaves], spec)
+    return a, k
+
+
+def measure_block_actions(model: nn.Module, args: tuple, kwargs: Mapping[str, Any] | None = None, *, block: str,
+                          actions: Iterable[str] = ("none", "full", "save_matmuls"), repeats: int = 3,
+                          warmup: int = 1) -> dict[str, float]:
+    """Seconds of one forward and backward of ``block`` under each action, on the inputs
+    it gets in ``model``'s forward: what a selective policy costs (torch's dispatch mode
+    on every op, the replay of draws) next to checkpointing the block whole, on this
+    machine, where the graph's op times leave it out.
+
+    Process CPU time on CPU; on an accelerator, wall time with the device synchronized
+    around each run. The median of ``repeats`` runs after ``warmup``, the actions taking
+    turns.
+
+    Parameters
+    ----------
+    model : torch.nn.Module
+        In training mode.
+    args, kwargs
+        A batch of the model's inputs.
+    block : str
+        A module path (one of :func:`layer_blocks`).
+    actions : iterable of str
+    repeats, warmup : int
+
+    Returns
+    -------
+    dict
+        Action -> seconds.
+
+    Examples
+    --------
+    >>> net = nn.Sequential(nn.Sequential(nn.Linear(8, 8), nn.GELU()), nn.Linear(8, 1))
+    >>> times = measure_block_actions(net, (torch.randn(4, 8),), block="0", repeats=1)
+    >>> sorted(times), all(t > 0 for t in times.values())
+    (['full', 'none', 'save_matmuls'], True)
+    """
+    import statistics
+    import time
+
+    actions = list(dict.fromkeys(actions))
+    for a in actions:
+        if a not in LAYER_ACTIONS:
+            raise ModulePlanError(f"unknown action {a!r}; choose among {LAYER_ACTIONS}")
+    with torch.random.fork_rng(devices=[]):
+        bargs, bkwargs = _block_inputs(model, block, args, kwargs or {})
+    sub = model.get_submodule(block)
+    wrapped = _BlockForward(sub, block, sub.forward)
+    device = next((t.device for t in bargs if isinstance(t, torch.Tensor)), torch.device("cpu"))
+    accelerator = device.type not in ("cpu", "meta")
+    stats = (torch.cuda if device.type == "cuda" else torch.accelerator) if accelerator else None
+    params = [p for p in sub.parameters() if p.requires_grad]
+    grads = [p.grad for p in params]
+
+    def once(action: str) -> float:
+        if accelerator:
+            stats.synchronize(device)
+        t0 = time.perf_counter() if accelerator else time.process_time()
+        with _plan_active({block: action}):
+            out = wrapped(*bargs, **bkwargs)
+        leaves = [t for t in _tensors(out) if t.requires_grad]
+        if leaves:
+            torch.autograd.backward([t.float().sum() for t in leaves])
+        if accelerator:
+            stats.synchronize(device)
+        return (time.perf_counter() if accelerator else time.process_time()) - t0
+
+    snapshot = _buffers_snapshot(sub)
+    times: dict[str, list[float]] = {a: [] for a in actions}
+    try:
+        with torch.random.fork_rng(devices=[device] if accelerator else []):  # the user's draws stay theirs
+            for k in range(warmup + repeats):
+                for a in actions:
+                    t = once(a)
+                    if k >= warmup:
+                        times[a].append(t)
+    finally:  # the gradients and buffers as found (graphs does not use solver.checks.step_undone)
+        for p, g in zip(params, grads):
+            p.grad = g
+        with torch.no_grad():
+            for buf, saved in snapshot:
+                buf.copy_(saved)
+    return {a: statistics.median(v) for a, v in times.items()}
+
+
+def _tensors(out: Any) -> list:
+    from graphs.torch_internals import tree_leaves
+
+    return [t for t in tree_leaves(out) if isinstance(t, torch.Tensor)]

@@ -756,6 +756,7 @@ def plan_modules(
     actions: Iterable[str] = DEFAULT_ACTIONS,
     bandwidth: float | None = None,
     time_limit: float | None = None,
+    measured: Mapping[str, float] | None = None,
 ) -> ModulePlan:
     """Choose an action per block so that the step fits with the least extra cost.
 
@@ -773,11 +774,20 @@ def plan_modules(
         Host link bytes per graph time unit, for offload.
     time_limit : float, optional
         Seconds for the search.
+    measured : mapping of str to float, optional
+        Seconds of one block's forward and backward under each action, measured
+        (:func:`graphs.module_mode.measure_block_actions`; ``"none"`` and ``"full"``
+        needed). A measured action costs a block what checkpointing it whole costs on
+        the graph, times the measured ratio of their extra seconds: what a selective
+        policy's dispatch costs, which the graph's op times leave out, is priced in, and
+        a policy that measures slower than checkpointing the block whole is never
+        chosen over it.
 
     Returns
     -------
     ModulePlan
-        Its schedule refers to :func:`checkpoint_view` of ``graph``.
+        Its schedule refers to :func:`checkpoint_view` of ``graph``; with ``measured``,
+        ``schedule.info["priced_cost"]`` is the cost the search compared.
 
     Raises
     ------
@@ -805,15 +815,24 @@ def plan_modules(
     index = BlockIndex(graph, blocks)
     fast = [True]
 
+    simulated: dict[tuple, float] = {}
+
     def price(plan: dict) -> tuple:
         res = index.price(plan) if fast[0] else None
         if res is not None:
-            return res.peak_bytes, res.cost, None
-        sched, res = plan_schedule(graph, plan, bandwidth=bandwidth, index=index)
-        return res.peak_bytes, res.cost, sched
+            out = res.peak_bytes, res.cost, None
+        else:
+            sched, res = plan_schedule(graph, plan, bandwidth=bandwidth, index=index)
+            out = res.peak_bytes, res.cost, sched
+        simulated[tuple(plan.get(b, LayerAction.NONE.value) for b in blocks)] = out[1]
+        return out
 
+    if measured:
+        price = _measured_pricing(price, blocks, measured)
     plan, (peak, cost, sched), smallest, evaluations = greedy_block_plan(
         blocks, actions, budget_bytes, price, time_limit=time_limit)
+    if measured:
+        priced, cost = cost, simulated[tuple(plan[b] for b in blocks)]
     if sched is None:  # priced from its pieces: the schedule itself, graded again
         sched, res = plan_schedule(graph, plan, bandwidth=bandwidth, index=index)
         if (res.peak_bytes, res.cost) != (peak, cost):  # pragma: no cover - tested equal
@@ -823,7 +842,41 @@ def plan_modules(
                 blocks, actions, budget_bytes, price, time_limit=time_limit)
     if peak > budget_bytes:
         raise InfeasibleBudget(budget_bytes, smallest, what="peak with per-block checkpointing")
+    if measured:
+        sched.info = dict(sched.info, priced_cost=priced, measured=dict(measured))
     return ModulePlan(actions=plan, schedule=sched, evaluations=evaluations, blocks=list(blocks), graph=graph)
+
+
+def _measured_pricing(price, blocks: Sequence[str], measured: Mapping[str, float]):
+    """``price`` with the extra cost of each measured action on a block replaced by the
+    graph's extra cost of checkpointing that block whole, times the measured ratio of
+    the action's extra seconds to checkpointing's (see :func:`plan_modules`); actions
+    not measured keep the graph's."""
+    none, full = LayerAction.NONE.value, LayerAction.FULL.value
+    if none not in measured or full not in measured:
+        raise ValueError(f"measured needs the seconds of 'none' and 'full', got {sorted(measured)}")
+    span = float(measured[full]) - float(measured[none])
+    ratio = {a: (max(0.0, float(t) - float(measured[none])) / span if span > 0 else (1.0 if a == full else 0.0))
+             for a, t in measured.items()}
+    ratio[full] = 1.0
+    plain = {b: none for b in blocks}
+    base = price(plain)[1]
+    extra: dict[tuple[str, str], float] = {}
+
+    def alone(b: str, a: str) -> float:
+        """The graph's extra cost of ``a`` on block ``b`` alone."""
+        if (b, a) not in extra:
+            extra[(b, a)] = price(dict(plain, **{b: a}))[1] - base
+        return extra[(b, a)]
+
+    def priced(plan: dict) -> tuple:
+        peak, cost, payload = price(plan)
+        if any(a in ratio and a != full for a in plan.values()):
+            cost = cost + sum((alone(b, full) * ratio[a] - alone(b, a)) for b, a in plan.items()
+                              if a in ratio and a not in (none, full))
+        return peak, cost, payload
+
+    return priced
 
 
 def greedy_block_plan(blocks: Sequence[str], actions: Iterable[str], budget_bytes: int, price, *,

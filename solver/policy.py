@@ -461,11 +461,12 @@ def _is_module(obj: Any) -> bool:
     return torch is not None and isinstance(obj, torch.nn.Module)
 
 
-def layer_blocks(model: Any) -> list[str]:
-    """Module paths of a model's layers (see :func:`graphs.module_mode.layer_blocks`)."""
+def layer_blocks(model: Any, *, blocks: Any = None) -> list[str]:
+    """Module paths of a model's repeated layers, or ``blocks`` checked against it: the
+    one implementation, :func:`graphs.module_mode.layer_blocks`."""
     from graphs.module_mode import layer_blocks as _layer_blocks
 
-    return _layer_blocks(model)
+    return _layer_blocks(model, blocks=blocks)
 
 
 def _graph_options(*, world_size: Any, sharding: Any, hardware: Any, allow_offload: bool | None

@@ -18,8 +18,10 @@ from solver.errors import BudgetNotReached, InfeasibleBudget, NoScheduleFound
 from solver.grading import check_budget, culprit_label, grade
 from solver.registry import MethodInfo, OptionError, registered
 from solver.schedule import Schedule
+from solver.simulate import simulate
 
-__all__ = ["methods", "get_method", "solve", "check_budget", "checked_budget", "checked_time_limit", "grade"]
+__all__ = ["methods", "get_method", "solve", "check_budget", "checked_budget", "checked_time_limit", "grade",
+           "reached_floor"]
 
 
 def _load_all() -> None:
@@ -207,10 +209,46 @@ def checked_budget(graph: ComputeGraph, budget_bytes: float, *, method: str = "a
     try:
         return check_budget(graph, budget_bytes)
     except InfeasibleBudget as exc:
+        exc = _floored(graph, exc)
         if get_method(method).family == "offload" or type(exc) is not InfeasibleBudget:
-            raise
+            raise exc from None
         left = None if time_limit is None else float(time_limit) - (time.perf_counter() - t0)
         raise _sharpened(graph, exc, left) from None
+
+
+def reached_floor(graph: ComputeGraph) -> int:
+    """The least peak of two schedules that every step can run, whatever the time the
+    searches get: the plain step (the reference order, store-all) and, on a training
+    graph of layer blocks, checkpointing every block
+    (:func:`solver.methods.blocks.per_block_schedule`). The smallest feasible peak an
+    error names is never above it.
+
+    Examples
+    --------
+    >>> from solver.synthetic import training_chain
+    >>> g = training_chain(4, fwd_bytes=8)
+    >>> reached_floor(g) == simulate(g, g.order).peak_bytes
+    True
+    >>> for i in range(4): g[f"f{i}"]["module"] = g[f"b{i}"]["module"] = f"layers.{i // 2}"
+    >>> reached_floor(g) < simulate(g, g.order).peak_bytes
+    True
+    """
+    from solver.methods.blocks import per_block_schedule
+
+    floor = simulate(graph, list(graph.order)).peak_bytes
+    blocks = per_block_schedule(graph)
+    if blocks is not None:
+        floor = min(floor, blocks.peak_bytes)
+    return int(floor)
+
+
+def _floored(graph: ComputeGraph, exc: InfeasibleBudget) -> InfeasibleBudget:
+    """``exc`` naming no smallest feasible peak above :func:`reached_floor`."""
+    floor = reached_floor(graph)
+    if floor >= exc.smallest_feasible_bytes or floor < exc.lower_bound_bytes:
+        return exc
+    return type(exc)(exc.budget_bytes, floor, lower_bound_bytes=exc.lower_bound_bytes, culprit=exc.culprit,
+                     culprit_name=exc.culprit_name, held_bytes=exc.held_bytes, held_before=exc.held_before)
 
 
 #: Seconds the figures of a failure may take at most (the search stops early with the best).
@@ -298,6 +336,9 @@ def _not_reached(graph: ComputeGraph, budget: int, exc: NoScheduleFound, left: f
         found = int(exc.best_peak)
     if chain is not None and lb <= chain < found:
         found = chain
+    floor = reached_floor(graph)  # the plain step's and per-block checkpointing's: reached whatever the time
+    if lb <= floor < found:
+        found = floor
     if budget >= found:
         return exc  # a schedule within the budget exists: the method's own failure
     held, before = 0, False

@@ -4,23 +4,27 @@ when it is over the budget.
 A plan is checked on the example batch, but the step a training loop runs may differ:
 another loss than the one planned (none was given), a batch that allocates more, what
 the loop itself holds. :class:`WatchedStep` wraps the step a plan runs and measures, by
-the allocator (:class:`graphs.memory.AllocatorPeak`), the real step from the start of
-its forward to the end of its backward, the user's loss included: on CUDA and other
-accelerators, whose peak statistics cost nothing, every step; on CPU, whose judge is
-the profiler, the first step of each plan. When a step is over the budget, the next
-call plans again holding back what the step measured beyond the budget (or beyond its
-prediction, when the plan had room left) and 1 % of the budget, with a warning and a
-note in the report.
+the allocator, the real step from the start of its forward to the end of its backward,
+the user's loss included: by default the first step of each plan (every step with
+``watch="every"``). A step that is not measured runs the plan's step alone: no device
+synchronization, no hooks, no walk of the parameters. When a step is over the budget,
+the next call plans again holding back what the step measured beyond the budget (or
+beyond its prediction, when the plan had room left) and 1 % of the budget, with a
+warning and a note in the report.
 
 The measured span ends when the backward pass ends (the autograd engine's final
-callback). A CPU profiler cannot be stopped inside a backward pass, so on CPU the span
-is cut there and the profiler stops at the next optimizer step (a global
-``torch.optim`` step pre-hook, while a measurement is open) or the next call of the
-module, whichever comes first.
+callback). On CPU the judge is the profiler (:class:`graphs.memory.AllocatorPeak`); it
+cannot be stopped inside a backward pass, so the span is cut there and the profiler
+stops at the next optimizer step (a global ``torch.optim`` step pre-hook, while a
+measurement is open) or the next call of the module, whichever comes first.
 
-On CUDA, measuring resets the allocator's peak statistics at the start of each step's
-forward (``torch.cuda.reset_peak_memory_stats``): a peak read after the step is the
-step's.
+On CUDA and other accelerators the judge reads the allocator's own counters
+(``max_memory_allocated``, ``memory_allocated``), which the host keeps as it allocates:
+no synchronization, and no reset of the peak statistics, which are the user's
+(:class:`DevicePeak`). A step that raises the device's peak is measured exactly; one
+whose peak stays under a peak reached before it is known to be at most that one, which
+settles a step within the budget; otherwise the next step is measured again (at most
+:data:`UNSEEN_TRIES` steps), and the report says why none was.
 """
 
 from __future__ import annotations
@@ -34,18 +38,95 @@ from torch import nn
 from torch.optim.optimizer import register_optimizer_step_pre_hook
 
 from graphs import RematError
-from graphs.memory import AllocatorPeak, settle_open_judges
+from graphs.memory import AllocatorPeak, resident_bytes, settle_open_judges
 from graphs.torch_internals import at_backward_end, tree_leaves
 from graphs.units import format_bytes
 from solver.fixed import untracked_bytes
 
-__all__ = ["WATCH", "WatchedStep"]
+__all__ = ["WATCH", "WatchedStep", "DevicePeak", "step_device", "UNSEEN_TRIES"]
 
 log = logging.getLogger(__name__)
 
-#: when the real step is measured: ``"auto"`` (every step on an accelerator, the first
-#: step of each plan on CPU), ``"first"``, ``"every"`` or ``"off"``
+#: when the real step is measured: ``"auto"`` and ``"first"`` (the first step of each
+#: plan), ``"every"`` or ``"off"``
 WATCH = ("auto", "first", "every", "off")
+#: Steps measured at most, on an accelerator, while a peak reached before each hides its own.
+UNSEEN_TRIES = 3
+
+
+def _device_stats(device: torch.device):
+    return torch.cuda if device.type == "cuda" else torch.accelerator
+
+
+def step_device(module: nn.Module, args: tuple, kwargs: dict) -> torch.device:
+    """The device a step runs on: that of its first input on an accelerator, else of
+    the module's first parameter on one, else CPU."""
+    for t in tree_leaves((args, kwargs)):
+        if isinstance(t, torch.Tensor) and t.device.type not in ("cpu", "meta"):
+            return t.device
+    for p in module.parameters():
+        if p.device.type not in ("cpu", "meta"):
+            return p.device
+        break
+    return torch.device("cpu")
+
+
+class DevicePeak:
+    """The peak of a span on an accelerator from the allocator's counters, without
+    resetting them: what the roots held on entry (``baseline_bytes``) plus what the span
+    allocated above the entry at its highest. The counters are the host's, so neither
+    reading them nor this judge synchronizes the device; the user's peak statistics stay
+    as they were.
+
+    Where the device peaked higher before the span than the span itself does, the span's
+    peak is not seen: ``known`` is False and ``peak_bytes`` is the most it can be.
+
+    Parameters
+    ----------
+    *roots : modules, tensors or containers of them
+        What exists on entry and counts toward the peak.
+    device : torch.device
+
+    Examples
+    --------
+    >>> judge = DevicePeak(torch.nn.Linear(2, 2), device=torch.device("cuda"))
+    >>> judge.is_cut, judge.known  # (entered around a step on the device, cut at its end)
+    (False, False)
+    """
+
+    def __init__(self, *roots: Any, device: torch.device) -> None:
+        self._roots, self.device = roots, device
+        self.baseline_bytes = self.peak_bytes = 0
+        self.known = False
+        self._before = self._start = 0
+        self._cut = False
+
+    def __enter__(self) -> "DevicePeak":
+        stats = _device_stats(self.device)
+        self._before = int(stats.max_memory_allocated(self.device))
+        self._start = int(stats.memory_allocated(self.device))
+        self.baseline_bytes = self.peak_bytes = resident_bytes(*self._roots, device=self.device)
+        self._roots = ()
+        return self
+
+    def cut(self) -> None:
+        """End the span now (the end of a backward pass)."""
+        if self._cut:
+            return
+        self._cut = True
+        after = int(_device_stats(self.device).max_memory_allocated(self.device))
+        self.known = after > self._before
+        self.peak_bytes = self.baseline_bytes + max(0, (after if self.known else self._before) - self._start)
+
+    @property
+    def is_cut(self) -> bool:
+        return self._cut
+
+    def close_later(self, close: Callable[[], None]) -> None:  # nothing is left running
+        pass
+
+    def __exit__(self, *exc: Any) -> None:
+        self.cut()
 
 
 class WatchedStep:
@@ -83,6 +164,7 @@ class WatchedStep:
         self._excess = 0
         self._replaced: WatchedStep | None = None
         self._optimizer_hook: Any = None
+        self._unseen = 0  # steps measured on an accelerator whose peak an earlier one hid
 
     def __getattr__(self, name: str) -> Any:  # the plan's own attributes (actions, saved, compiler)
         if name.startswith("_") or name in ("step",):
@@ -96,9 +178,11 @@ class WatchedStep:
         if self._excess > 0:
             self._replaced = self._plan_again()
             return self._replaced(module, args, kwargs)
-        if not self._measures(args, kwargs):
+        if not self._measures():
             return self.step(module, args, kwargs)
-        judge = AllocatorPeak(module, (args, kwargs))
+        device = step_device(module, args, kwargs)
+        judge = (AllocatorPeak(module, (args, kwargs)) if device.type == "cpu"
+                 else DevicePeak(module, (args, kwargs), device=device))
         try:
             judge.__enter__()
         except RematError:  # another profiler is running: not measured
@@ -125,16 +209,12 @@ class WatchedStep:
             t.register_hook(at_output_grad)
         return out
 
-    def _measures(self, args: tuple, kwargs: dict) -> bool:
+    def _measures(self) -> bool:
         if self.watch == "off" or self.report is None:
             return False
         if self.watch == "every":
             return True
-        accelerator = any(t.device.type not in ("cpu", "meta") for t in tree_leaves((args, kwargs))
-                          if isinstance(t, torch.Tensor))
-        if self.watch == "auto" and accelerator:
-            return True
-        return not self.step_peaks
+        return not self.step_peaks and self._unseen < UNSEEN_TRIES
 
     def _backward_done(self, judge: AllocatorPeak) -> None:
         if self._judge is not judge:
@@ -157,8 +237,18 @@ class WatchedStep:
             return
         judge.__exit__(None, None, None)
         peak = judge.peak_bytes + untracked_bytes(self.report.graph)
-        self.step_peaks.append(int(peak))
         budget = self.report.budget_bytes
+        if isinstance(judge, DevicePeak) and not judge.known and peak > budget:
+            # a peak reached before the step hides the step's own, and the most it can be
+            # is over the budget: not a verdict (the statistics are the user's, not reset)
+            self._unseen += 1
+            if self._unseen == UNSEEN_TRIES:
+                self.report.notes.append(
+                    f"the real step was not measured: the device peaked at {format_bytes(peak)} or more before "
+                    f"each of {UNSEEN_TRIES} steps, above the step's own peak; call "
+                    "torch.cuda.reset_peak_memory_stats() before training to let the watch see it")
+            return
+        self.step_peaks.append(int(peak))
         if self.report.step_peak_bytes is None:
             self.report.step_peak_bytes = int(peak)
         if peak > budget:

@@ -77,6 +77,7 @@ import logging
 import math
 import threading
 import time as _time
+from typing import Sequence
 
 from graphs import ComputeGraph
 from solver.errors import InfeasibleBudget, NoScheduleFound, SolverError
@@ -202,7 +203,8 @@ def _default_limit(n: int) -> float:
 
 
 def solve_auto(graph: ComputeGraph, budget: int, *, time_limit: float | None = None, exact: bool | None = None,
-               bound: bool = True, drop: bool = True, gap_tolerance: float = GAP_TOLERANCE) -> Schedule:
+               bound: bool = True, drop: bool = True, gap_tolerance: float = GAP_TOLERANCE,
+               starts: Sequence[Schedule] | None = None) -> Schedule:
     """Pick methods by graph shape and size; return the best simulated valid schedule.
 
     Parameters
@@ -227,6 +229,10 @@ def solve_auto(graph: ComputeGraph, budget: int, *, time_limit: float | None = N
     gap_tolerance : float
         Default :data:`GAP_TOLERANCE`, 1 %: once the proven gap on the extra compute
         is at most this, auto stops searching and proving and returns.
+    starts : sequence of Schedule, optional
+        Schedules to begin from (each is a candidate that keeps its ``method`` name; on
+        a training graph the schedule of checkpointing every layer block,
+        :func:`~solver.methods.blocks.per_block_schedule`, always is).
 
     Returns
     -------
@@ -269,6 +275,7 @@ def solve_auto(graph: ComputeGraph, budget: int, *, time_limit: float | None = N
     use_exact = (not unlimited) if asked_exact is None else bool(asked_exact)
     use_bound = bound
     use_drop = drop
+    given = list(starts or ())
     tolerance = float(gap_tolerance)
     if not tolerance >= 0:
         raise ValueError(f"gap_tolerance must be a fraction >= 0, got {tolerance!r}")
@@ -394,6 +401,21 @@ def solve_auto(graph: ComputeGraph, budget: int, *, time_limit: float | None = N
         # 1. store-all
         run("store_all", "the reference order fits the budget: no extra compute")
     else:
+        # 1b. the given starting schedules and, on a training graph, checkpointing every
+        #     layer block (the one-line alternative): a floor that every later step
+        #     improves on, and a start of the search over recomputations
+        if training:
+            from solver.methods.blocks import per_block_schedule
+
+            given.append(per_block_schedule(graph))
+        for start in (s for s in given if s is not None):
+            name = start.method or "start"
+            if simulate(graph, start).peak_bytes > budget:
+                tried[name] = "over budget"
+                continue
+            consider(name, Schedule(sequence=list(start.sequence), offloads=list(start.offloads),
+                                    bandwidth=start.bandwidth, method=name, info=dict(start.info)),
+                     "checkpointing every layer block" if name == "per_block" else "a given starting schedule")
         # 2. eviction on the reference order: fast, near-optimal on training graphs
         run("eviction", "DTR-style eviction on the reference order",
             time_limit=max(0.1, min(1.0 if unlimited else 2.0, 0.2 * limit)), ix=ix)

@@ -55,7 +55,7 @@ from solver.registry import register
 from solver.schedule import Schedule
 from solver.simulate import simulate
 
-__all__ = ["Block", "BlockChain", "BlockOption", "block_chain", "block_options", "block_dp",
+__all__ = ["Block", "BlockChain", "BlockOption", "block_chain", "block_options", "block_dp", "per_block_schedule", "per_block",
            "ENUMERATE_MAX", "LEVELS", "SLOTS"]
 
 log = logging.getLogger(__name__)
@@ -763,3 +763,98 @@ def block_dp(graph: ComputeGraph, budget_bytes: int, *, time_limit: float | None
                           "distinct_blocks": chain.distinct, "shared": len(chain.shared),
                           "blocks_exact": all(b.exact for b in chain.blocks), "model_cost": float(model),
                           "options": sum(len(b.options) for b in chain.blocks), "candidates": tried})
+
+
+def per_block_schedule(graph: ComputeGraph, *, blocks=None) -> Schedule | None:
+    """The schedule that checkpointing every layer block runs (``torch.utils.checkpoint``
+    around each block, non-reentrant), graded by the simulator: each block keeps its
+    input and what code outside it reads, drops what only the block itself reads, and
+    computes that again for its backward. Of the two ways to place the recomputation,
+    all of a block's at its first backward read (as torch does) or each value just
+    before its first backward read, the one with the lower simulated peak (then the
+    lower cost). A value the graph marks not recomputable (a random op the rewrite does
+    not replay) stays kept.
+
+    It is what a user gets with one line, so it is a floor for every plan: ``auto``
+    starts from it, and a budget it meets is never called infeasible.
+
+    Parameters
+    ----------
+    graph : ComputeGraph
+        Op nodes carry the innermost ``module`` that ran them (as captured).
+    blocks : sequence of str, optional
+        Module paths of the layers; default ``graph.meta["layer_blocks"]`` where a
+        planner recorded the model's, else those the DAG shows
+        (:func:`graphs.layers.graph_layer_blocks`).
+
+    Returns
+    -------
+    Schedule or None
+        ``peak_bytes``, ``cost`` and ``base_cost`` filled; ``info["blocks"]`` the block
+        paths. None without a backward or without two blocks.
+
+    Examples
+    --------
+    >>> from solver.synthetic import training_chain
+    >>> g = training_chain(4, fwd_bytes=8)
+    >>> for i in range(4): g[f"f{i}"]["module"] = g[f"b{i}"]["module"] = f"layers.{i // 2}"
+    >>> s = per_block_schedule(g)
+    >>> s.info["blocks"], s.peak_bytes < simulate(g, g.order).peak_bytes
+    (['layers.0', 'layers.1'], True)
+    """
+    from graphs.layers import graph_layer_blocks
+    from solver.module_plan import BlockIndex, checkpoint_sequence, keep_for_plan
+
+    if not has_backward(graph):
+        return None
+    if blocks is None:
+        blocks = graph.meta.get("layer_blocks") or graph_layer_blocks(graph)
+    blocks = [b for b in blocks if b]
+    if len(blocks) < 2:
+        return None
+    actions = {b: "full" for b in blocks}
+    index = BlockIndex(graph, blocks)
+    if not any(index.nodes(b)[0] for b in blocks):
+        return None
+    keep = keep_for_plan(graph, actions, index=index)
+    plain = sequence_from_keep(graph, keep)
+    best = None
+    for seq in (checkpoint_sequence(graph, plain, actions, index=None if index.nested else index), plain):
+        r = simulate(graph, seq)
+        if r.valid and (best is None or (r.peak_bytes, r.cost) < (best[1].peak_bytes, best[1].cost)):
+            best = (seq, r)
+    if best is None:  # pragma: no cover - sequence_from_keep builds valid sequences
+        return None
+    seq, r = best
+    sched = Schedule(sequence=list(seq), method="per_block",
+                     info={"order": "fixed", "plan": "per_block", "blocks": list(blocks)})
+    sched.peak_bytes, sched.cost, sched.base_cost = r.peak_bytes, r.cost, r.base_cost
+    return sched
+
+
+@register("per_block", family="baseline", order="fixed")
+def per_block(graph: ComputeGraph, budget_bytes: int, *, time_limit: float | None = None, blocks=None) -> Schedule:
+    """Checkpoint every layer block (:func:`per_block_schedule`).
+
+    Raises
+    ------
+    NoScheduleFound
+        The graph shows no layer blocks, or the schedule does not fit (its peak is the
+        error's ``best_peak``).
+
+    Examples
+    --------
+    >>> from solver.synthetic import training_chain
+    >>> g = training_chain(4, fwd_bytes=8)
+    >>> for i in range(4): g[f"f{i}"]["module"] = g[f"b{i}"]["module"] = f"layers.{i // 2}"
+    >>> per_block(g, 1000).method
+    'per_block'
+    """
+    sched = per_block_schedule(graph, blocks=blocks)
+    if sched is None:
+        raise NoScheduleFound(f"per_block: {graph.name or 'the graph'} shows no layer blocks (ops whose module "
+                              "paths repeat); pass blocks=")
+    if sched.peak_bytes > budget_bytes:
+        raise NoScheduleFound(f"per_block: checkpointing every block peaks at {sched.peak_bytes} B, over "
+                              f"{budget_bytes} B", best_peak=sched.peak_bytes)
+    return sched
