@@ -288,6 +288,7 @@ def _install(wrapper: nn.Module, model: nn.Module, planner: Planner,
     templates: dict[tuple, tuple] = {}  # per planned signature, its call's keywords (_call_template)
     same_as: dict[tuple, tuple | None] = {}  # a new signature -> the planned one it runs, or None
 
+    @torch.compiler.disable
     def plan_now(args: tuple, kwargs: dict) -> Any:
         key = input_signature(args, kwargs)
         again = "it was planned before" if key in steps else (
@@ -333,6 +334,13 @@ def _install(wrapper: nn.Module, model: nn.Module, planner: Planner,
     def forward(*args: Any, **kwargs: Any) -> Any:
         if not (wrapper.training and model.training and torch.is_grad_enabled()):
             return original_forward(wrapper, *args, **kwargs)
+        return planned_forward(args, kwargs)
+
+    # a compiled caller (torch.compile of the module or of a function calling it) runs
+    # the planned step as it is: Dynamo does not trace planning, nor the step, whose
+    # graphs already are what the plan runs (compiler="inductor" compiles them)
+    @torch.compiler.disable
+    def planned_forward(args: tuple, kwargs: dict) -> Any:
         key = input_signature(args, kwargs)
         if key not in steps and steps:
             args, kwargs, key = as_planned_call(args, kwargs, key)

@@ -93,3 +93,39 @@ def test_hf_return_dict_and_use_cache_share_the_plan():
     for kw in ({}, {"return_dict": True}, {"use_cache": False}):
         fast(input_ids=ids, labels=ids, **kw).loss.backward()
     assert len(fast.remat_steps) == 1
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("backend", ["aot_eager", "inductor"])
+def test_torch_compile_of_the_returned_module_runs_the_plan(backend):
+    """``torch.compile(fast)`` runs the planned step (Dynamo does not trace planning
+    nor the step): one plan, the real step within the budget by the allocator, losses
+    and gradients as the plain model's."""
+    import copy
+
+    from examples import models
+
+    torch.manual_seed(0)
+    model, inputs = models.gpt(n_layer=2, d=32, seq=32, batch=8)
+    plain = copy.deepcopy(model)
+    loss_fn = _loss
+    roomy = solver.optimize(model, 1.0, example_inputs=inputs, loss_fn=loss_fn)
+    budget = 0.7 * roomy.report.predicted_peak_bytes / 2**30
+    fast = solver.optimize(model, budget, example_inputs=inputs, loss_fn=loss_fn)
+    step = next(iter(fast.remat_steps.values()))
+    compiled = torch.compile(fast, backend=backend)
+    for i in range(3):
+        for m in (model, plain):
+            for p in m.parameters():
+                p.grad = None
+        torch.manual_seed(i)
+        loss = loss_fn(compiled(*inputs))
+        loss.backward()
+        torch.manual_seed(i)
+        want = loss_fn(plain(*inputs))
+        want.backward()
+        torch.testing.assert_close(loss, want)
+        for p, q in zip(model.parameters(), plain.parameters()):
+            torch.testing.assert_close(p.grad, q.grad)
+    assert len(fast.remat_steps) == 1 and next(iter(fast.remat_steps.values())) is step
+    assert step.step_peaks and max(step.step_peaks) <= fast.report.budget_bytes
