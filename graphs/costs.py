@@ -35,7 +35,7 @@ import torch.fx
 
 from graphs.errors import CaptureError
 from graphs.hardware import Hardware
-from graphs.memory import AllocatorPeak, peak_of_events, settle_open_judges
+from graphs.memory import AllocatorPeak, peak_of_events, quiet_profile, settle_open_judges
 from graphs.torch_internals import (allocation_events, is_op_overload, labelled_spans, op_schema, profiler_running,
                                    tree_leaves)
 
@@ -469,8 +469,7 @@ def measure_workspaces(runner: StepRunner, *, devices: set[str]) -> WorkspaceRun
     try:
         with torch.no_grad():
             if not accelerators:
-                with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CPU],
-                                            profile_memory=True) as prof:
+                with quiet_profile(activities=[torch.profiler.ProfilerActivity.CPU], profile_memory=True) as prof:
                     runner(_LabelledInterpreter)
                 events = allocation_events(prof)
                 peak = peak_of_events(b for _, b, dev in events if dev == "cpu")[0]

@@ -213,6 +213,39 @@ def _segments(gm: torch.fx.GraphModule, *, is_backward: bool = False,
     return part, chosen
 
 
+def _layout(args: Sequence) -> tuple:
+    """The sizes and strides of a call's tensor inputs: what inductor's code asserts."""
+    return tuple((tuple(a.shape), a.stride()) if isinstance(a, torch.Tensor) else None for a in args)
+
+
+class _ByLayout:
+    """A graph compiled by inductor for the strides its inputs arrive with (boxed: it
+    frees each input after its last use). Inductor's code asserts its inputs' sizes and
+    strides; a value may come with other strides than the capture recorded (a
+    recomputed view made contiguous, a saved slice of a larger tensor), so a call with
+    a new layout compiles the graph again for it, once."""
+
+    _boxed_call = True
+
+    def __init__(self, gm: torch.fx.GraphModule, example_inputs: Sequence, fake_mode: Any, *,
+                 is_backward: bool, segment: bool) -> None:
+        self.gm, self.fake_mode, self.is_backward, self.segment = gm, fake_mode, is_backward, segment
+        self.compiled = {_layout(example_inputs): inductor_compile(gm, example_inputs, is_backward=is_backward,
+                                                                    segment=segment)}
+
+    def __call__(self, args: list) -> Any:
+        layout = _layout(args)
+        fn = self.compiled.get(layout)
+        if fn is None:
+            with self.fake_mode:
+                like = [torch.empty_strided(a.shape, a.stride(), dtype=a.dtype, device=a.device)
+                        if isinstance(a, torch.Tensor) else a for a in args]
+            log.info("compiler='inductor': a graph compiled again for inputs of other strides")
+            fn = self.compiled[layout] = inductor_compile(self.gm, like, is_backward=self.is_backward,
+                                                          segment=self.segment)
+        return fn(args)
+
+
 class _Compiled(nn.Module):
     """A graph compiled by inductor (boxed: it frees each input after its last use)."""
 
@@ -248,7 +281,8 @@ def _inductor_compiler(is_backward: bool, compiled: dict[str, int], headroom: in
             part, chosen = _segments(gm, is_backward=is_backward, headroom=headroom)
             if len(set(part.values())) == 1 and chosen:
                 compiled[which] = 1
-                return inductor_compile(gm, example_inputs, is_backward=is_backward)
+                fake_mode = detect_fake_mode(example_inputs) or FakeTensorMode(allow_non_fake_inputs=True)
+                return _ByLayout(gm, example_inputs, fake_mode, is_backward=is_backward, segment=False)
             return boxed(_fuse_segments(gm, part, chosen, example_inputs, is_backward, compiled, which))
         except RematError:
             raise
@@ -302,7 +336,7 @@ def _fuse_segments(gm: torch.fx.GraphModule, part: dict[torch.fx.Node, int], cho
             sub_env[n] = sub.node_copy(n, lambda x: sub_env[x])
         sub.output(tuple(sub_env[n] for n in outputs))
         sub_gm = torch.fx.GraphModule(gm, sub)
-        fn = inductor_compile(sub_gm, _fake_inputs(sub_gm, fake_mode), is_backward=is_backward, segment=True)
+        fn = _ByLayout(sub_gm, _fake_inputs(sub_gm, fake_mode), fake_mode, is_backward=is_backward, segment=True)
         name = f"inductor_{len(list(root.children()))}"
         root.add_module(name, _Compiled(fn))
         call = graph.call_module(name, tuple(env[a] for a in inputs))

@@ -35,7 +35,11 @@ True
 from __future__ import annotations
 
 import atexit
+import contextlib
 import logging
+import os
+import sys
+import warnings
 import weakref
 from typing import Any, Callable, Iterable
 
@@ -45,7 +49,7 @@ from graphs.errors import RematError
 from graphs.torch_internals import (TorchDispatchMode, allocation_events, labelled_spans, profiler_running,
                                    tree_leaves)
 
-__all__ = ["AllocatorPeak", "judge_available", "resident_bytes", "settle_open_judges", "MemoryTracker", "SavedTensorCounter", "measure_peak", "peak_of_events"]
+__all__ = ["AllocatorPeak", "judge_available", "quiet_profile", "resident_bytes", "settle_open_judges", "MemoryTracker", "SavedTensorCounter", "measure_peak", "peak_of_events"]
 
 log = logging.getLogger(__name__)
 
@@ -199,6 +203,72 @@ def _judged_device(tensors: list[torch.Tensor], device: Any) -> torch.device:
     return torch.device("cpu")
 
 
+@contextlib.contextmanager
+def _native_stderr_quiet():
+    """The process's file descriptor 2 sent to the null device inside the block: the
+    profiler's native code writes a line on every start and stop (``USDT ...
+    profiler_start``) and on its first use without a GPU (``gpuGetDeviceCount
+    failed``), which Python's ``sys.stderr`` cannot catch. Used only around the judge's
+    own profiler starting and stopping, never while a user's profiler runs."""
+    try:
+        sys.stderr.flush()
+        saved = os.dup(2)
+    except (OSError, ValueError, AttributeError):  # no descriptor 2 to quiet
+        yield
+        return
+    null = os.open(os.devnull, os.O_WRONLY)
+    try:
+        os.dup2(null, 2)
+        yield
+    finally:
+        os.dup2(saved, 2)
+        os.close(saved)
+        os.close(null)
+
+
+@contextlib.contextmanager
+def quiet_profile(**options: Any):
+    """``torch.profiler.profile(**options)`` as a ``with`` block whose start and stop
+    print nothing of the profiler's native lines (what the block itself writes to
+    stderr is kept).
+
+    Examples
+    --------
+    >>> with quiet_profile(activities=[torch.profiler.ProfilerActivity.CPU], profile_memory=True) as prof:
+    ...     _ = torch.ones(8) * 2
+    >>> any(e.name == "aten::mul" for e in prof.events())
+    True
+    """
+    prof = torch.profiler.profile(**options)
+    with _native_stderr_quiet():
+        prof.__enter__()
+    try:
+        yield prof
+    except BaseException:
+        with _native_stderr_quiet():
+            prof.__exit__(*sys.exc_info())
+        raise
+    with _native_stderr_quiet():
+        prof.__exit__(None, None, None)
+
+
+#: a step inside a user's profiler was not measured (warned once per process)
+_WARNED_USER_PROFILER = [False]
+
+
+def _user_profiler_running() -> RematError:
+    """The refusal to measure on CPU inside a user's profiler; warns once that such
+    steps are not measured (the user's trace is left alone)."""
+    msg = ("a torch profiler is running: remat does not measure the CPU allocator inside it (the judge reads "
+           "allocation events of a profiler of its own, which would take over the user's); steps run inside it "
+           "are not checked against the budget, and the first measured step after it ends is; measure outside any "
+           "other torch.profiler block")
+    if not _WARNED_USER_PROFILER[0]:
+        _WARNED_USER_PROFILER[0] = True
+        warnings.warn(msg, RuntimeWarning, stacklevel=3)
+    return RematError(msg)
+
+
 _CUT = "remat.judge::cut"
 #: cut measurements still open, by id: the call that closes each
 _CLOSE_LATER: dict[int, Callable[[], None]] = {}
@@ -243,7 +313,10 @@ class AllocatorPeak:
     records outside c10's allocator): one training step of
     ``examples.models.gpt(n_layer=8, d=256, seq=256, batch=8)`` on one CPU thread took
     1.02x the CPU time of the same step without it (fastest of 10: 1.67 s against
-    1.64 s; median 1.03x). It cannot run inside another ``torch.profiler`` on CPU.
+    1.64 s; median 1.03x). It cannot run inside another ``torch.profiler`` on CPU: a
+    second profiler would take over the user's session, so it refuses (and warns once
+    per process that steps inside a user's profiler are not measured). The native
+    lines the profiler prints when it starts and stops are kept off the terminal.
 
     Parameters
     ----------
@@ -276,7 +349,7 @@ class AllocatorPeak:
     Raises
     ------
     RematError
-        On CPU, when another profiler is already running.
+        On CPU, when another profiler is already running (with a warning, once).
 
     Examples
     --------
@@ -355,12 +428,11 @@ class AllocatorPeak:
         self.baseline_bytes = self.peak_bytes = resident_bytes(tensors, device=device)
         if device.type == "cpu":
             if profiler_running():
-                raise RematError("cannot measure the CPU allocator while a torch profiler is running (the "
-                                 "judge reads the profiler's allocation events); measure outside any other "
-                                 "torch.profiler block")
+                raise _user_profiler_running()
             self._prof = torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CPU],
                                                 profile_memory=True)
-            self._prof.__enter__()
+            with _native_stderr_quiet():
+                self._prof.__enter__()
         else:
             stats = torch.cuda if device.type == "cuda" else torch.accelerator
             stats.synchronize(device)
@@ -378,7 +450,8 @@ class AllocatorPeak:
             self.tracked_peak_bytes = int(self._tracker.peak_bytes)
             self._tracker = None
         if self.device.type == "cpu":
-            self._prof.__exit__(*exc)
+            with _native_stderr_quiet():
+                self._prof.__exit__(*exc)
             events = allocation_events(self._prof)
             if self._cut is not None:
                 end = min((start for _, start, _ in labelled_spans(self._prof, _CUT)), default=None)

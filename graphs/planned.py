@@ -42,10 +42,11 @@ from torch import nn
 
 from graphs.autocast import autocast_state
 from graphs.errors import RematError
-from graphs.torch_internals import forward_hooks, hook_registrations, root_hooks_off, tree_flatten
+from graphs.torch_internals import (TorchDispatchMode, forward_hooks, hook_registrations, root_hooks_off,
+                                   tree_flatten)
 
 __all__ = ["HookNotRun", "ModuleStep", "NotPicklable", "PLAN_CACHE_SIZE", "Planner", "input_signature",
-           "wrap_planned"]
+           "same_forward", "wrap_planned"]
 
 #: plans a wrapper keeps (one per input signature), like torch.compile's recompile limit
 PLAN_CACHE_SIZE = 8
@@ -71,6 +72,11 @@ def input_signature(args: tuple, kwargs: dict) -> tuple:
     """A hashable key of the inputs' structure, shapes, dtypes and devices, and of the
     autocast state (a graph captured under autocast holds its casts).
 
+    A call whose key has no plan may still run another key's plan: a planned module
+    checks, once per new key, whether the call differs from a planned call only in
+    keyword arguments that do not change what the forward computes
+    (:func:`same_forward`), and then runs that plan with the planned call's keywords.
+
     Examples
     --------
     >>> input_signature((torch.ones(2, 3),), {}) == input_signature((torch.zeros(2, 3),), {})
@@ -84,6 +90,112 @@ def input_signature(args: tuple, kwargs: dict) -> tuple:
         else:
             leaves.append(("V", repr(t)))
     return (str(spec), tuple(leaves), autocast_state())
+
+
+class _OpTrace(TorchDispatchMode):
+    """Records every op a forward dispatches: its name and, per argument, the input,
+    parameter or buffer it is (by name) or the shape and dtype of an intermediate, and
+    every other argument's value."""
+
+    def __init__(self, named: dict[int, str]) -> None:
+        super().__init__()
+        self.named, self.ops = named, []
+
+    def describe(self, v: Any) -> Any:
+        if isinstance(v, torch.Tensor):
+            return (self.named.get(id(v), "t"), tuple(v.shape), v.dtype, v.device.type)
+        if isinstance(v, (list, tuple)):
+            return tuple(self.describe(a) for a in v)
+        if isinstance(v, (bool, int, float, complex, str, type(None), torch.dtype, torch.device,
+                          torch.memory_format, torch.layout)):
+            return (type(v).__name__, repr(v))
+        return (type(v).__name__, id(v))  # an object: the same one in both calls, or a difference
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        kwargs = kwargs or {}
+        self.ops.append((str(func), self.describe(args), tuple((k, self.describe(v)) for k, v in kwargs.items())))
+        return func(*args, **kwargs)
+
+
+def _forward_trace(forward: Callable, module: nn.Module, args: tuple, kwargs: dict) -> tuple | None:
+    """The ops ``forward(module, *args, **kwargs)`` dispatches and the structure of its
+    output (:class:`_OpTrace`), run without gradients, with the random generators and
+    the buffers' values put back afterwards; None where the forward raises."""
+    named: dict[int, str] = {}
+    for name, t in list(module.named_parameters()) + list(module.named_buffers()):
+        named.setdefault(id(t), name)
+    for i, a in enumerate(args):
+        for j, t in enumerate(tree_flatten(a)[0]):
+            named[id(t)] = f"args[{i}].{j}"
+    for k, v in kwargs.items():
+        for j, t in enumerate(tree_flatten(v)[0]):
+            named[id(t)] = f"{k}.{j}"
+    buffers = [(b, b.detach().clone()) for b in module.buffers()]
+    trace = _OpTrace(named)
+    try:
+        with torch.no_grad(), torch.random.fork_rng(), trace:
+            out = forward(module, *args, **kwargs)
+        flat, spec = tree_flatten(out)
+        return str(spec), trace.describe(flat), tuple(trace.ops)
+    except Exception:  # a forward that cannot run this way proves nothing
+        return None
+    finally:
+        with torch.no_grad():
+            for b, value in buffers:
+                b.copy_(value)
+
+
+def same_forward(forward: Callable, module: nn.Module, call: tuple[tuple, dict], other: tuple[tuple, dict]) -> bool:
+    """Whether ``forward(module, *args, **kwargs)`` computes the same thing for the two
+    calls ``(args, kwargs)``: the same ops in the same order on the same inputs,
+    parameters and buffers (by name; intermediates by shape and dtype), with the same
+    non-tensor arguments, and an output of the same structure. Both calls run once
+    without gradients (random generators and buffers are put back).
+
+    A keyword argument that the forward ignores or that only picks a default
+    (``return_dict=True``, ``use_cache=False`` in training, an unused count) gives the
+    same ops; one that changes the computation (a scale, a loss reduction, a mask)
+    does not.
+
+    Examples
+    --------
+    >>> def fwd(m, x, *, scale=1.0, verbose=False):
+    ...     return m(x) * scale
+    >>> lin, x = nn.Linear(2, 2), torch.ones(1, 2)
+    >>> same_forward(fwd, lin, ((x,), {}), ((x,), {"verbose": True}))
+    True
+    >>> same_forward(fwd, lin, ((x,), {}), ((x,), {"scale": 2.0}))
+    False
+    """
+    first = _forward_trace(forward, module, *call)
+    return first is not None and first == _forward_trace(forward, module, *other)
+
+
+_TENSORS = object()  # a keyword whose value holds tensors (a graph input)
+
+
+def _call_template(args: tuple, kwargs: dict) -> tuple[int, dict]:
+    """What a planned call's keywords are: tensor-bearing (graph inputs) or a value
+    baked into the plan."""
+    return len(args), {k: _TENSORS if any(isinstance(t, torch.Tensor) for t in tree_flatten(v)[0]) else v
+                       for k, v in kwargs.items()}
+
+
+def _as_planned(args: tuple, kwargs: dict, template: tuple[int, dict]) -> dict | None:
+    """``kwargs`` made like a planned call's: keywords it did not have dropped, its
+    non-tensor values put back; None where a tensor keyword it had is missing."""
+    n_args, planned = template
+    if len(args) != n_args:
+        return None
+    out = {}
+    for k, v in planned.items():
+        if v is _TENSORS:
+            if k not in kwargs:
+                return None
+            out[k] = kwargs[k]
+        else:
+            out[k] = v
+    return out
 
 
 class ModuleStep:
@@ -173,7 +285,10 @@ def _install(wrapper: nn.Module, model: nn.Module, planner: Planner,
     dropped: set[tuple] = set()  # signatures whose plans the cache dropped
     warned = [False]  # the cache has dropped a plan (a warning, once)
     checked = [-1]  # hook_registrations() when the submodules were last seen without hooks
+    templates: dict[tuple, tuple] = {}  # per planned signature, its call's keywords (_call_template)
+    same_as: dict[tuple, tuple | None] = {}  # a new signature -> the planned one it runs, or None
 
+    @torch.compiler.disable
     def plan_now(args: tuple, kwargs: dict) -> Any:
         key = input_signature(args, kwargs)
         again = "it was planned before" if key in steps else (
@@ -183,6 +298,7 @@ def _install(wrapper: nn.Module, model: nn.Module, planner: Planner,
             step = planner(model, args, kwargs)
         steps[key] = step
         steps.move_to_end(key)
+        templates[key] = _call_template(args, kwargs)
         dropped.discard(key)
         while len(steps) > PLAN_CACHE_SIZE:
             old, _ = steps.popitem(last=False)
@@ -218,7 +334,16 @@ def _install(wrapper: nn.Module, model: nn.Module, planner: Planner,
     def forward(*args: Any, **kwargs: Any) -> Any:
         if not (wrapper.training and model.training and torch.is_grad_enabled()):
             return original_forward(wrapper, *args, **kwargs)
+        return planned_forward(args, kwargs)
+
+    # a compiled caller (torch.compile of the module or of a function calling it) runs
+    # the planned step as it is: Dynamo does not trace planning, nor the step, whose
+    # graphs already are what the plan runs (compiler="inductor" compiles them)
+    @torch.compiler.disable
+    def planned_forward(args: tuple, kwargs: dict) -> Any:
         key = input_signature(args, kwargs)
+        if key not in steps and steps:
+            args, kwargs, key = as_planned_call(args, kwargs, key)
         step = steps.get(key)
         if step is None:
             step = plan_now(args, kwargs)
@@ -227,6 +352,22 @@ def _install(wrapper: nn.Module, model: nn.Module, planner: Planner,
         if getattr(step, "hooks_captured", True):
             check_hooks()
         return step(wrapper, args, kwargs)
+
+    def as_planned_call(args: tuple, kwargs: dict, key: tuple) -> tuple[tuple, dict, tuple]:
+        """The call a plan of another signature runs where the two calls differ only in
+        keywords that do not change the forward (checked once per new signature)."""
+        if key not in same_as:
+            same_as[key] = None
+            for planned in reversed(steps):
+                other = _as_planned(args, kwargs, templates[planned])
+                if (other is not None and input_signature(args, other) == planned
+                        and same_forward(original_forward, wrapper, (args, kwargs), (args, other))):
+                    same_as[key] = planned
+                    break
+        planned = same_as[key]
+        if planned is None or planned not in steps:
+            return args, kwargs, key
+        return args, _as_planned(args, kwargs, templates[planned]), planned
 
     def train(mode: bool = True) -> nn.Module:
         type(wrapper).train(wrapper, mode)

@@ -580,8 +580,18 @@ def self_check(model: nn.Module, step: Callable, *, args: tuple, kwargs: dict, s
                loss_fn: Callable[[Any], Any] | None = None, reference: Callable | None = None) -> bool:
     """Whether the rewrite ``step`` reproduces the model's gradients on the example batch
     (against ``reference``, see :func:`reproduces`); its measured peak (the same step)
-    goes to the session's report, both peaks to the session's planning peak."""
-    found = reproduces(model, step, args, kwargs, loss_fn=loss_fn, reference=reference, inputs=session.inputs)
+    goes to the session's report, both peaks to the session's planning peak.
+
+    A step that raises while it is checked (a compiled segment that rejects its
+    inputs, say) fails the check: the caller falls back as for wrong gradients, and
+    the report's notes say what was raised."""
+    try:
+        found = reproduces(model, step, args, kwargs, loss_fn=loss_fn, reference=reference, inputs=session.inputs)
+    except Exception as exc:
+        first = (str(exc).strip().splitlines() or [""])[0][:300]
+        session.report.notes.append(f"the self-check of the rewrite raised {type(exc).__name__}: {first}; "
+                                    "the rewrite was not used")
+        return False
     extra = untracked_bytes(session.report.graph)
     if found.peak_bytes is not None:
         session.report.checked_peak_bytes = found.peak_bytes + extra
