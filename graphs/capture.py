@@ -62,6 +62,10 @@ _NAMED_BUT_NOT_RANDOM = ("_backward", "no_dropout", "nll_loss")
 _INPLACE_EXEMPT = ("copy_",)
 
 
+_NOTHING_TO_DIFFERENTIATE = ("the model returned no floating point tensor to differentiate; pass loss_fn=... "
+                             "that maps the model's output to a scalar loss")
+
+
 def default_loss(output: Any) -> torch.Tensor:
     """The loss of a step whose ``loss_fn`` is not given.
 
@@ -92,10 +96,7 @@ def default_loss(output: Any) -> torch.Tensor:
         output = output.to_tuple()
     floats = [t for t in tree_leaves(output) if isinstance(t, torch.Tensor) and t.is_floating_point()]
     if not floats:
-        raise CaptureError(
-            "the model returned no floating point tensor to differentiate; pass loss_fn=... "
-            "that maps the model's output to a scalar loss"
-        )
+        raise CaptureError(_NOTHING_TO_DIFFERENTIATE)
     total = floats[0].sum()
     for t in floats[1:]:
         total = total + t.sum()
@@ -128,6 +129,8 @@ class _LossStep(torch.nn.Module):
         if not isinstance(flat_out, (list, tuple)):
             flat_out = [flat_out]
         if self._loss_fn is None:  # backward from the outputs
+            if not any(isinstance(t, torch.Tensor) and t.is_floating_point() for t in flat_out):
+                raise CaptureError(_NOTHING_TO_DIFFERENTIATE)
             return tuple(flat_out)
         out = tree_unflatten(list(flat_out), self._out_spec)
         loss = self._loss_fn(out)
