@@ -390,104 +390,146 @@ def _relaxation(graph: ComputeGraph, budget_bytes: int, ops: list, index: dict, 
     """The LP of :func:`stage_lp_bound` at the boundaries ``marks`` (op indices, in the
     order of their first computations), with what the order freedom allows from ``rule``."""
     from solver.deadline import OutOfTime
-    from solver.lp_backend import create_solver, solve_quietly
 
-    nodes = graph.nx.nodes
-    n = len(ops)
-    m = len(marks)
-    base = float(sum(nodes[v]["time"] for v in ops))
-    cost = [float(nodes[v]["time"]) for v in ops]
-    can_redo = [bool(nodes[v].get("recomputable", True)) for v in ops]
-    preds = [sorted({index[u] for u in graph.op_preds(v)}) for v in ops]
-    room = int(budget_bytes) - graph.fixed_bytes
-    groups = _groups(graph, ops)
-    group_of = {i: g for g, (members, _) in groups.items() for i in members}
-    inputs = [set(preds[t]) for t in marks]
     try:
-        lp = create_solver("SCIP" if integral else "GLOP")
-        Var = (lambda: lp.IntVar(0.0, 1.0, "")) if integral else (lambda: lp.NumVar(0.0, 1.0, ""))
-        scale = 1.0 / max(1, room)
-        per = 1.0 / max([c for c in cost if c > 0], default=1.0)  # objective in units of the costliest op
-        keep: dict = {}  # (i, k) -> variable: a copy of i is live at boundary k
-        redo: dict = {}  # (i, k) -> variable: i is computed again in interval k
-        todo: list = []
+        program = _StageProgram(graph, budget_bytes, ops, index, size, marks, rule, deadline, integral)
+        program.needs()
+        if not program.fits():
+            return math.inf
+        program.set_objective()
+        if hold:
+            program.hold(hold)
+        if hint is not None and integral:
+            program.hint(hint)
+        status = program.solve(gap)
+    except OutOfTime:
+        return None
+    return program.answer(status, solution, kept)
 
-        def live(i: int, k: int):
-            """"i is live at boundary k": a variable, or 1.0 where it is so anyway (an
-            input or the output of t_k, a value of 0 bytes)."""
-            if size[i] == 0 or i == marks[k] or i in inputs[k]:
-                return 1.0
-            var = keep.get((i, k))
-            if var is None:
-                var = keep[(i, k)] = Var()
-                todo.append(("keep", i, k))
-            return var
 
-        def again(i: int, k: int):
-            if not can_redo[i] or size[i] == 0:
-                return None
-            var = redo.get((i, k))
-            if var is None:
-                var = redo[(i, k)] = Var()
-                todo.append(("redo", i, k))
-            return var
+class _StageProgram:
+    """The stage program of :func:`_relaxation`, built in phases: the reads each boundary
+    must serve (:meth:`needs`, with what those variables imply), the memory at each
+    boundary (:meth:`fits`), the objective, the held intervals and the hint; then solved
+    and read (:meth:`answer`). Variables are made on first use: ``keep[(i, k)]``, a copy
+    of ``i`` is live at boundary ``k``; ``redo[(i, k)]``, ``i`` is computed again in
+    interval ``k``."""
 
-        def at_least(terms, rhs: float) -> None:
-            """sum(terms) >= rhs; a term is a constant, None (nothing), a variable or a
-            (variable, coefficient) pair."""
-            const = sum(x for x in terms if isinstance(x, float))
-            if const >= rhs and not any(isinstance(x, tuple) and x[1] < 0 for x in terms):
-                return  # holds whatever the variables are
-            c = lp.Constraint(rhs - const, lp.infinity())
-            for x in terms:
-                if isinstance(x, tuple):
-                    c.SetCoefficient(*x)
-                elif x is not None and not isinstance(x, float):
-                    c.SetCoefficient(x, 1.0)
+    def __init__(self, graph: ComputeGraph, budget_bytes: int, ops: list, index: dict, size: list, marks: list,
+                 rule: _Rule, deadline, integral: bool) -> None:
+        from solver.lp_backend import create_solver
 
-        for k in range(m):
-            deadline.check("building the stage LP")
+        nodes = graph.nx.nodes
+        self.graph, self.nodes, self.ops, self.index, self.size = graph, nodes, ops, index, size
+        self.marks, self.m, self.rule, self.deadline, self.integral = marks, len(marks), rule, deadline, integral
+        self.base = float(sum(nodes[v]["time"] for v in ops))
+        self.cost = [float(nodes[v]["time"]) for v in ops]
+        self.can_redo = [bool(nodes[v].get("recomputable", True)) for v in ops]
+        self.preds = [sorted({index[u] for u in graph.op_preds(v)}) for v in ops]
+        self.room = int(budget_bytes) - graph.fixed_bytes
+        self.groups = _groups(graph, ops)
+        self.group_of = {i: g for g, (members, _) in self.groups.items() for i in members}
+        self.inputs = [set(self.preds[t]) for t in marks]
+        self.lp = lp = create_solver("SCIP" if integral else "GLOP")
+        self.new_var = (lambda: lp.IntVar(0.0, 1.0, "")) if integral else (lambda: lp.NumVar(0.0, 1.0, ""))
+        self.scale = 1.0 / max(1, self.room)
+        self.per = 1.0 / max([c for c in self.cost if c > 0], default=1.0)  # objective in units of the costliest op
+        self.keep: dict = {}
+        self.redo: dict = {}
+        self.todo: list = []  # variables made, whose implications are still to add
+        self.objective = None
+
+    def live(self, i: int, k: int):
+        """"i is live at boundary k": a variable, or 1.0 where it is so anyway (an input or
+        the output of t_k, a value of 0 bytes)."""
+        if self.size[i] == 0 or i == self.marks[k] or i in self.inputs[k]:
+            return 1.0
+        var = self.keep.get((i, k))
+        if var is None:
+            var = self.keep[(i, k)] = self.new_var()
+            self.todo.append(("keep", i, k))
+        return var
+
+    def again(self, i: int, k: int):
+        """"i is computed again in interval k": a variable, or None where it cannot be."""
+        if not self.can_redo[i] or self.size[i] == 0:
+            return None
+        var = self.redo.get((i, k))
+        if var is None:
+            var = self.redo[(i, k)] = self.new_var()
+            self.todo.append(("redo", i, k))
+        return var
+
+    def at_least(self, terms, rhs: float) -> None:
+        """sum(terms) >= rhs; a term is a constant, None (nothing), a variable or a
+        (variable, coefficient) pair."""
+        const = sum(x for x in terms if isinstance(x, float))
+        if const >= rhs and not any(isinstance(x, tuple) and x[1] < 0 for x in terms):
+            return  # holds whatever the variables are
+        c = self.lp.Constraint(rhs - const, self.lp.infinity())
+        for x in terms:
+            if isinstance(x, tuple):
+                c.SetCoefficient(*x)
+            elif x is not None and not isinstance(x, float):
+                c.SetCoefficient(x, 1.0)
+
+    def needs(self) -> None:
+        """Each value read after boundary ``k`` is live then or computed again before the
+        read; then what each variable made implies, until none is left."""
+        rule, size, live, again, at_least = self.rule, self.size, self.live, self.again, self.at_least
+        for k in range(self.m):
+            self.deadline.check("building the stage LP")
             for i in rule.candidates(k):
-                if size[i] == 0 or i in inputs[k]:
+                if size[i] == 0 or i in self.inputs[k]:
                     continue
                 last = rule.required(i, k)
                 if last is None:
                     continue
                 # needed after t_k: live now, or computed again before that read
                 at_least([live(i, k)] + [again(i, k2) for k2 in range(k, last + 1)], 1.0)
-        while todo:
-            deadline.check("building the stage LP")
-            what, i, k = todo.pop()
+        while self.todo:
+            self.deadline.check("building the stage LP")
+            what, i, k = self.todo.pop()
             if what == "keep":
                 # live at t_k: live at t_{k-1} or computed in between (unless maybe first computed then)
                 if k == 0 or not rule.before(i, k - 1):
                     continue
-                at_least([live(i, k - 1), again(i, k - 1), (keep[(i, k)], -1.0)], 0.0)
+                at_least([live(i, k - 1), again(i, k - 1), (self.keep[(i, k)], -1.0)], 0.0)
             else:
                 # computed again in interval k: each input live at t_k or computed again in
                 # interval k too (an input maybe first computed after t_k needs nothing)
-                q = redo[(i, k)]
-                for j in preds[i]:
+                q = self.redo[(i, k)]
+                for j in self.preds[i]:
                     if not rule.before(j, k):
                         continue
                     at_least([live(j, k), again(j, k), (q, -1.0)], 0.0)
-        for k, t in enumerate(marks):
-            need = size[t] + _least_workspace(nodes[ops[t]]) + sum(size[i] for i in inputs[k])
-            if need > room:
-                return math.inf
-            memory = lp.Constraint(-lp.infinity(), (room - need) * scale)
-            for (i, k2), var in keep.items():
+
+    def fits(self) -> bool:
+        """The values kept at each boundary fit beside its op's output, workspace and
+        inputs; False where those alone do not."""
+        lp, size = self.lp, self.size
+        for k, t in enumerate(self.marks):
+            need = size[t] + _least_workspace(self.nodes[self.ops[t]]) + sum(size[i] for i in self.inputs[k])
+            if need > self.room:
+                return False
+            memory = lp.Constraint(-lp.infinity(), (self.room - need) * self.scale)
+            for (i, k2), var in self.keep.items():
                 if k2 == k:
-                    memory.SetCoefficient(var, size[i] * scale)
-        # objective: the time of what is computed again
-        objective = lp.Objective()
+                    memory.SetCoefficient(var, size[i] * self.scale)
+        return True
+
+    def set_objective(self) -> None:
+        """The time of what is computed again: a multi-output op once per interval that
+        computes some of its projections again (unless it runs there anyway)."""
+        lp, groups, per = self.lp, self.groups, self.per
+        self.objective = objective = lp.Objective()
         run: dict = {}
-        for (i, k), q in redo.items():
-            g = group_of.get(i)
+        for (i, k), q in self.redo.items():
+            g = self.group_of.get(i)
             if g is None:
-                objective.SetCoefficient(q, cost[i] * per)
+                objective.SetCoefficient(q, self.cost[i] * per)
                 continue
-            if marks[k] in groups[g][0] or any(rule.may_first(j, k) for j in groups[g][0]):
+            if self.marks[k] in groups[g][0] or any(self.rule.may_first(j, k) for j in groups[g][0]):
                 continue  # a run of the op may happen in this interval anyway
             r = run.get((g, k))
             if r is None:
@@ -496,56 +538,69 @@ def _relaxation(graph: ComputeGraph, budget_bytes: int, ops: list, index: dict, 
             c = lp.Constraint(0.0, lp.infinity())
             c.SetCoefficient(r, 1.0)
             c.SetCoefficient(q, -1.0)
-        if hold:
-            held = {}  # interval -> what it computes again
-            for k in range(m):
-                key = (ops[marks[k]], ops[marks[k + 1]] if k + 1 < m else None)
-                if key in hold:
-                    held[k] = {index[v] for v in hold[key] if v in index}
-            for (i, k), q in redo.items():
-                if k in held and i not in held[k]:
-                    q.SetBounds(0.0, 0.0)
-        if hint is not None and integral and redo:
-            pairs = list(redo.items())
-            lp.SetHint([q for _, q in pairs],
-                       [1.0 if k in hint.get(ops[i], ()) else 0.0 for (i, k), _ in pairs])
-        objective.SetMinimization()
-        deadline.check("building the stage LP")
-        left = deadline.left()
+
+    def hold(self, hold: dict) -> None:
+        """Held intervals compute again only what ``hold`` names for them."""
+        ops, marks, m = self.ops, self.marks, self.m
+        held = {}  # interval -> what it computes again
+        for k in range(m):
+            key = (ops[marks[k]], ops[marks[k + 1]] if k + 1 < m else None)
+            if key in hold:
+                held[k] = {self.index[v] for v in hold[key] if v in self.index}
+        for (i, k), q in self.redo.items():
+            if k in held and i not in held[k]:
+                q.SetBounds(0.0, 0.0)
+
+    def hint(self, hint: dict) -> None:
+        """Start the 0/1 program from ``hint`` (node id -> intervals computing it again)."""
+        if self.redo:
+            pairs = list(self.redo.items())
+            self.lp.SetHint([q for _, q in pairs],
+                            [1.0 if k in hint.get(self.ops[i], ()) else 0.0 for (i, k), _ in pairs])
+
+    def solve(self, gap: float | None):
+        """Solve within the deadline; with ``gap``, the 0/1 program may stop that close."""
+        from solver.lp_backend import solve_quietly
+
+        self.objective.SetMinimization()
+        self.deadline.check("building the stage LP")
+        left = self.deadline.left()
         if math.isfinite(left):
-            lp.SetTimeLimit(max(1, int(1000 * left)))
+            self.lp.SetTimeLimit(max(1, int(1000 * left)))
         params = None
-        if integral and gap is not None:
+        if self.integral and gap is not None:
             from ortools.linear_solver import pywraplp
 
             params = pywraplp.MPSolverParameters()
             params.SetDoubleParam(params.RELATIVE_MIP_GAP, float(gap))
-        status = solve_quietly(lp, params)
-    except OutOfTime:
-        return None
-    if status == lp.INFEASIBLE:
-        return math.inf
-    if integral and status in (lp.OPTIMAL, lp.FEASIBLE, lp.NOT_SOLVED):
-        value = lp.Objective().BestBound() / per  # "optimal" means within the solver's gap tolerance
-        if not math.isfinite(value):
-            return None
-    elif status != lp.OPTIMAL:
-        return None
-    else:
-        value = objective.Value() / per
-    if solution is not None and status in (lp.OPTIMAL, lp.FEASIBLE):
-        redone: dict = {}
-        for (i, k), q in sorted(redo.items(), key=lambda x: x[0][1]):
-            if q.solution_value() > 0.5:
-                redone.setdefault(ops[i], []).append(k)
-        solution.clear()
-        solution.update(boundaries=[ops[t] for t in marks], redo=redone, value=objective.Value() / per)
-    if kept is not None and status in (lp.OPTIMAL, lp.FEASIBLE):
-        kept.update({ops[i]: var.solution_value() for (i, k), var in keep.items() if k == 0})
-    shortfall = sum(min(0.0, gt - sum(cost[i] for i in members)) for members, gt in groups.values())
-    extra = max(0.0, value * (1 - 1e-6) - 1e-12 * base) + shortfall
-    return max(base, base + extra)
+        return solve_quietly(self.lp, params)
 
+    def answer(self, status, solution: dict | None, kept: dict | None) -> float | None:
+        """The bound the solver's ``status`` gives (math.inf: infeasible; None: none);
+        ``solution`` and ``kept`` filled as :func:`stage_lp_bound` says."""
+        lp, per, ops = self.lp, self.per, self.ops
+        if status == lp.INFEASIBLE:
+            return math.inf
+        if self.integral and status in (lp.OPTIMAL, lp.FEASIBLE, lp.NOT_SOLVED):
+            value = lp.Objective().BestBound() / per  # "optimal" means within the solver's gap tolerance
+            if not math.isfinite(value):
+                return None
+        elif status != lp.OPTIMAL:
+            return None
+        else:
+            value = self.objective.Value() / per
+        if solution is not None and status in (lp.OPTIMAL, lp.FEASIBLE):
+            redone: dict = {}
+            for (i, k), q in sorted(self.redo.items(), key=lambda x: x[0][1]):
+                if q.solution_value() > 0.5:
+                    redone.setdefault(ops[i], []).append(k)
+            solution.clear()
+            solution.update(boundaries=[ops[t] for t in self.marks], redo=redone, value=self.objective.Value() / per)
+        if kept is not None and status in (lp.OPTIMAL, lp.FEASIBLE):
+            kept.update({ops[i]: var.solution_value() for (i, k), var in self.keep.items() if k == 0})
+        shortfall = sum(min(0.0, gt - sum(self.cost[i] for i in members)) for members, gt in self.groups.values())
+        extra = max(0.0, value * (1 - 1e-6) - 1e-12 * self.base) + shortfall
+        return max(self.base, self.base + extra)
 
 
 def _over_budget(graph: ComputeGraph, ops: list, excess: list, *, every: bool = False) -> list[int]:
