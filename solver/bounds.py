@@ -55,14 +55,16 @@ def _least_time(d: dict) -> float:
     return float(d["time"])
 
 
-def _least_workspace(d: dict) -> int:
+def least_workspace(d: dict) -> int:
+    """The least workspace one computation of a node can be charged (a projection that
+    continues a run of its op is charged its ``run_workspace``)."""
     ws = int(d.get("workspace", 0))
     if d.get("group") is not None:
         ws = min(ws, int(d.get("run_workspace", ws)))
     return ws
 
 
-def _reference(graph: ComputeGraph) -> tuple[list, dict, list, list]:
+def reference_facts(graph: ComputeGraph) -> tuple[list, dict, list, list]:
     """The reference order, its index, the bytes of each op and the index of its last
     reader (``len(ops)`` for a step output: it is read at the end)."""
     ops = list(graph.order)
@@ -75,7 +77,7 @@ def _reference(graph: ComputeGraph) -> tuple[list, dict, list, list]:
     return ops, index, size, last_read
 
 
-def _excess(graph: ComputeGraph, ops: list, index: dict, size: list, last_read: list, room: int) -> list[int]:
+def step_excess(graph: ComputeGraph, ops: list, index: dict, size: list, last_read: list, room: int) -> list[int]:
     """Bytes by which each step of the reference order, run store-all, is over ``room``.
 
     The values live across step ``t`` (computed before, read after) are summed with a
@@ -92,7 +94,7 @@ def _excess(graph: ComputeGraph, ops: list, index: dict, size: list, last_read: 
     for t, v in enumerate(ops):
         across += delta[t]
         last = sum(size[i] for i in {index[u] for u in graph.op_preds(v)} if last_read[i] <= t)
-        out.append(size[t] + _least_workspace(nodes[v]) + across + last - room)
+        out.append(size[t] + least_workspace(nodes[v]) + across + last - room)
     return out
 
 
@@ -100,15 +102,15 @@ def _forced_amounts(graph: ComputeGraph, budget_bytes: int, reference: tuple | N
                     excess: list | None = None) -> list[float]:
     """The extra compute that the argument of :func:`forced_recompute_bound` forces at
     each step of the reference order (0 where the step fits store-all, ``math.inf``
-    where it cannot fit); ``reference`` and ``excess`` as :func:`_reference` and
-    :func:`_excess` give them, when the caller has them."""
+    where it cannot fit); ``reference`` and ``excess`` as :func:`reference_facts` and
+    :func:`step_excess` give them, when the caller has them."""
     import numpy as np
 
-    ops, index, size, last_read = reference or _reference(graph)
+    ops, index, size, last_read = reference or reference_facts(graph)
     nodes = graph.nx.nodes
     room = int(budget_bytes) - graph.fixed_bytes
     if excess is None:
-        excess = _excess(graph, ops, index, size, last_read, room)
+        excess = step_excess(graph, ops, index, size, last_read, room)
     # the values that may go, cheapest per byte first; at each step over the budget the
     # live ones (computed before, read after, not an input) are taken in that order
     free = [i for i, v in enumerate(ops) if nodes[v].get("recomputable", True) and size[i] > 0]
@@ -314,7 +316,7 @@ def stage_lp_bound(graph: ComputeGraph, budget_bytes: int, *, stages: int = STAG
     from solver.deadline import Deadline
 
     deadline = Deadline(time_limit)
-    ops, index, size, last_read = reference or _reference(graph)
+    ops, index, size, last_read = reference or reference_facts(graph)
     nodes = graph.nx.nodes
     n = len(ops)
     base = float(sum(nodes[v]["time"] for v in ops))
@@ -323,35 +325,13 @@ def stage_lp_bound(graph: ComputeGraph, budget_bytes: int, *, stages: int = STAG
     readers = [sorted(index[w] for w in graph.op_succs(v)) for v in ops]
     room = int(budget_bytes) - graph.fixed_bytes
     if boundaries is None:
-        excess = _excess(graph, ops, index, size, last_read, room)
+        excess = step_excess(graph, ops, index, size, last_read, room)
         marks = _pick_boundaries(excess, [True] * n, stages)
     else:
         marks = sorted(set(_boundary_indices(graph, boundaries, index)))
     if not marks:
         return base
-    m = len(marks)
-
-    def interval(r: int) -> int:
-        """The interval ``k`` (``t_k < r <= t_{k+1}``) of the first computation of ``r``
-        (``m - 1`` for the end of the step)."""
-        lo, hi = 0, m - 1
-        while lo < hi:  # the last k with marks[k] < r
-            mid = (lo + hi + 1) // 2
-            if marks[mid] < r:
-                lo = mid
-            else:
-                hi = mid - 1
-        return lo
-
-    def required(i: int, k: int):
-        t = marks[k]
-        if last_read[i] <= t:
-            return None
-        r = next((w for w in readers[i] if w > t), n)
-        return interval(r) if r < n else m - 1
-
-    rule = _Rule(candidates=lambda k: range(marks[k]), before=lambda i, k: i < marks[k], required=required,
-                 may_first=lambda i, k: i > marks[0] and interval(i) == k)
+    rule = _fixed_order_rule(marks, readers, last_read)
     return _relaxation(graph, budget_bytes, ops, index, size, marks, rule, deadline, kept, integral, solution,
                        hold, hint, gap)
 
@@ -372,6 +352,34 @@ class _Rule:
         self.before = before
         self.required = required
         self.may_first = may_first
+
+
+def _fixed_order_rule(marks: list, readers: list, last_read: list) -> _Rule:
+    """What the reference order of first computations tells the stage relaxation at the
+    boundaries ``marks``: value ``i`` is first computed at step ``i``."""
+    n, m = len(readers), len(marks)
+
+    def interval(r: int) -> int:
+        """The interval ``k`` (``t_k < r <= t_{k+1}``) of the first computation of ``r``
+        (``m - 1`` for the end of the step)."""
+        lo, hi = 0, m - 1
+        while lo < hi:  # the last k with marks[k] < r
+            mid = (lo + hi + 1) // 2
+            if marks[mid] < r:
+                lo = mid
+            else:
+                hi = mid - 1
+        return lo
+
+    def required(i: int, k: int):
+        t = marks[k]
+        if last_read[i] <= t:
+            return None
+        r = next((w for w in readers[i] if w > t), n)
+        return interval(r) if r < n else m - 1
+
+    return _Rule(candidates=lambda k: range(marks[k]), before=lambda i, k: i < marks[k], required=required,
+                 may_first=lambda i, k: i > marks[0] and interval(i) == k)
 
 
 def _boundary_indices(graph: ComputeGraph, boundaries, index: dict) -> list[int]:
@@ -509,7 +517,7 @@ class _StageProgram:
         inputs; False where those alone do not."""
         lp, size = self.lp, self.size
         for k, t in enumerate(self.marks):
-            need = size[t] + _least_workspace(self.nodes[self.ops[t]]) + sum(size[i] for i in self.inputs[k])
+            need = size[t] + least_workspace(self.nodes[self.ops[t]]) + sum(size[i] for i in self.inputs[k])
             if need > self.room:
                 return False
             memory = lp.Constraint(-lp.infinity(), (self.room - need) * self.scale)
@@ -603,7 +611,7 @@ class _StageProgram:
         return max(self.base, self.base + extra)
 
 
-def _over_budget(graph: ComputeGraph, ops: list, excess: list, *, every: bool = False) -> list[int]:
+def over_budget_steps(graph: ComputeGraph, ops: list, excess: list, *, every: bool = False) -> list[int]:
     """The steps over the budget (with ``every``, all steps), most over first, one per
     multi-output op (the projections of one op share their inputs and mostly their
     excess)."""
@@ -649,9 +657,9 @@ GROW_TRIES = 8
 def worst_step(graph: ComputeGraph, budget_bytes: int, reference: tuple | None = None):
     """The op whose first computation is most over ``budget_bytes`` when the reference
     order runs store-all (projections of multi-output ops excluded), or None when every
-    step fits (``reference``: :func:`_reference`'s figures, when the caller has them)."""
-    ops, index, size, last_read = reference or _reference(graph)
-    excess = _excess(graph, ops, index, size, last_read, int(budget_bytes) - graph.fixed_bytes)
+    step fits (``reference``: :func:`reference_facts`'s figures, when the caller has them)."""
+    ops, index, size, last_read = reference or reference_facts(graph)
+    excess = step_excess(graph, ops, index, size, last_read, int(budget_bytes) - graph.fixed_bytes)
     over = [t for t in range(len(ops)) if excess[t] > 0 and graph[ops[t]].get("group") is None]
     return ops[max(over, key=lambda t: (excess[t], -t))] if over else None
 
@@ -661,7 +669,7 @@ def _candidates(graph: ComputeGraph, ops: list, excess: list, amounts: list[floa
     those where :func:`forced_recompute_bound`'s argument forces the most
     (:func:`_forced_amounts`), by turns (the strongest LP sits at either), one per
     multi-output op."""
-    over = _over_budget(graph, ops, excess)
+    over = over_budget_steps(graph, ops, excess)
     forced = sorted(over, key=lambda t: (-amounts[t], t))
     out, seen = [], set()
     for pair in zip(forced, over):
@@ -917,8 +925,8 @@ def fixed_order_bound(graph: ComputeGraph, budget_bytes: int, *, tries: int = TR
     from solver.deadline import Deadline
 
     deadline = Deadline(time_limit)
-    reference = ops, index, size, last_read = _reference(graph)
-    excess = _excess(graph, ops, index, size, last_read, int(budget_bytes) - graph.fixed_bytes)
+    reference = ops, index, size, last_read = reference_facts(graph)
+    excess = step_excess(graph, ops, index, size, last_read, int(budget_bytes) - graph.fixed_bytes)
     amounts = _forced_amounts(graph, budget_bytes, reference, excess)
     best = _forced_bound(graph, amounts)
 
@@ -953,8 +961,8 @@ def fixed_order_bound(graph: ComputeGraph, budget_bytes: int, *, tries: int = TR
         return best
 
     return _best_of(bound_at, candidates[:tries], graph.total("time"), best,
-                    deadline, time_limit, enough, every=_over_budget(graph, ops, excess, every=True)[:EVERY],
-                    pool=sorted(_over_budget(graph, ops, excess)), known=known)
+                    deadline, time_limit, enough, every=over_budget_steps(graph, ops, excess, every=True)[:EVERY],
+                    pool=sorted(over_budget_steps(graph, ops, excess)), known=known)
 
 
 # ------------------------------------------------------------------ free order
@@ -985,7 +993,7 @@ class _Ancestry:
     uses: an op's ancestors run first before it, its descendants after."""
 
     def __init__(self, graph: ComputeGraph):
-        self.ops, self.index, self.size, _ = _reference(graph)
+        self.ops, self.index, self.size, _ = reference_facts(graph)
         nodes = graph.nx.nodes
         self.anc, self.desc = _ancestry(graph, self.ops, self.index)
         self.readers = [[self.index[w] for w in graph.op_succs(v)] for v in self.ops]
@@ -1139,17 +1147,17 @@ def free_order_bound(graph: ComputeGraph, budget_bytes: int, *, tries: int = FRE
     ops, index, size = facts.ops, facts.index, facts.size
     if not ops or tries <= 0:
         return base
-    _, _, _, last_read = _reference(graph)
+    _, _, _, last_read = reference_facts(graph)
     nodes = graph.nx.nodes
     room = int(budget_bytes) - graph.fixed_bytes
-    excess = _excess(graph, ops, index, size, last_read, room)
-    over = _over_budget(graph, ops, excess)
+    excess = step_excess(graph, ops, index, size, last_read, room)
+    over = over_budget_steps(graph, ops, excess)
     scored = []
     for t in over[:FREE_CANDIDATES]:
         if deadline.expired():
             break
         inputs = {index[u] for u in graph.op_preds(ops[t])}
-        need = size[t] + _least_workspace(nodes[ops[t]]) + sum(size[i] for i in inputs)
+        need = size[t] + least_workspace(nodes[ops[t]]) + sum(size[i] for i in inputs)
         need += sum(size[i] for i in facts.required(t) if i not in inputs)
         if need > room:
             scored.append((need - room, t))

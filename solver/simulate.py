@@ -317,18 +317,18 @@ def _steps(nodes, sequence, deadline) -> tuple[np.ndarray, np.ndarray]:
         if deadline is not None and t & 4095 == 4095:
             deadline.check("replaying a schedule")
         run = _continues_run(nodes, sequence, t)
-        times.append(_time(nodes, sequence[t], run))
-        spaces.append(_workspace(nodes, sequence[t], run))
+        times.append(step_time(nodes, sequence[t], run))
+        spaces.append(step_workspace(nodes, sequence[t], run))
     return np.array(times, dtype=float), np.array(spaces, dtype=np.int64)
 
 
 def _continues_run(nodes, sequence, t: int) -> bool:
     """Does step ``t`` continue a run of a multi-output op (it follows an earlier
     projection of the same ``group`` directly)?"""
-    return t > 0 and _continues(nodes, sequence[t - 1], sequence[t])
+    return t > 0 and step_continues(nodes, sequence[t - 1], sequence[t])
 
 
-def _continues(nodes, prev, v) -> bool:
+def step_continues(nodes, prev, v) -> bool:
     """Does a step of ``v`` right after a step of ``prev`` continue a run of a
     multi-output op (``prev`` an earlier projection of the same ``group``)?"""
     if v not in nodes or prev not in nodes:
@@ -338,7 +338,7 @@ def _continues(nodes, prev, v) -> bool:
     return group is not None and before.get("group") == group and before.get("group_index", 0) < d.get("group_index", 0)
 
 
-def _time(nodes, v, continues: bool) -> float:
+def step_time(nodes, v, continues: bool) -> float:
     """A projection that starts a run of its op pays the whole op (``group_time``); one
     that continues the run pays nothing more. Other nodes pay their ``time``."""
     if v not in nodes:
@@ -349,7 +349,7 @@ def _time(nodes, v, continues: bool) -> float:
     return float(d["time"])
 
 
-def _workspace(nodes, v, continues: bool) -> int:
+def step_workspace(nodes, v, continues: bool) -> int:
     """Workspace of a step: a projection that continues a run is charged only for the
     outputs still to come (``run_workspace``), the earlier ones being live nodes."""
     if v not in nodes:

@@ -176,13 +176,13 @@ def sequence_from_stages(graph: ComputeGraph, boundaries: Sequence[Hashable],
 def _repaired(graph: ComputeGraph, ix: IndexedGraph, sequence: list, budget: int, deadline: float) -> list | None:
     """``sequence`` brought within ``budget`` by staged relief, its unneeded
     recomputations dropped; None when relief cannot."""
-    from solver.methods.staged import _Plan, relieve
+    from solver.methods.staged import StagedPlan, relieve
 
     index = {v: i for i, v in enumerate(ix.ids)}
     cur = [index[v] for v in sequence]
     seen: set = set()
     order = [i for i in cur if not (i in seen or seen.add(i))]
-    plan = _Plan.of_sequence(ix, order, cur)
+    plan = StagedPlan.of_sequence(ix, order, cur)
     if not relieve(plan, int(budget) - ix.fixed, deadline=deadline):
         return None
     ids = drop_recomputations(graph, [ix.ids[i] for i in plan.sequence()], budget, deadline=deadline)
@@ -268,17 +268,17 @@ def stage_milp(graph: ComputeGraph, budget_bytes: int, *, time_limit: float | No
     >>> s.info["optimal"], simulate(g, s.sequence).peak_bytes <= 9
     (True, True)
     """
-    from solver.bounds import _excess, _over_budget, _reference
+    from solver.bounds import step_excess, over_budget_steps, reference_facts
     from solver.deadline import Deadline
 
     limit = 10.0 if time_limit is None else float(time_limit)
     deadline = Deadline(limit)
     soft = Deadline(limit if soft_limit is None else min(limit, float(soft_limit)))
     ix = IndexedGraph.of(graph)
-    ops, index, size, last_read = _reference(graph)
+    ops, index, size, last_read = reference_facts(graph)
     base = graph.total("time")
-    excess = _excess(graph, ops, index, size, last_read, int(budget_bytes) - graph.fixed_bytes)
-    over = _over_budget(graph, ops, excess)
+    excess = step_excess(graph, ops, index, size, last_read, int(budget_bytes) - graph.fixed_bytes)
+    over = over_budget_steps(graph, ops, excess)
     if not over:
         return Schedule(sequence=list(ops), method="stage_milp", lower_bound=base,
                         info={"order": "fixed", "optimal": True, "rounds": 0})
