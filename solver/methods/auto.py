@@ -19,19 +19,20 @@ The recipe, cheapest first:
    comes with the program's proven bound (optimal when the two meet), with
    ``stage_milp_share`` of the time left; it stops once its bound puts the best
    schedule so far within ``gap_tolerance``, and its held rounds end after a plan above
-   ``stage_milp_give_up`` times the budget; then ``cover`` (which forward values the backward keeps, as a covering MILP over the
-   steps over the budget), then ``block_dp`` (each distinct layer block solved exactly, the blocks composed by
-   a DP over the chain) where one block repeats ``block_dp_min_repeats`` times;
+   ``stage_milp_give_up`` times the budget; then ``cover`` (which forward values the
+   backward keeps, as a covering MILP over the steps over the budget), then ``block_dp``
+   (each distinct layer block solved exactly, the blocks composed by a DP over the
+   chain) where one block repeats ``block_dp_min_repeats`` times;
    then staged recomputation (:func:`~solver.methods.staged.staged_sequence`) on the
    reference order, on graphs up to ``staged_max_ops`` ops: it plans the whole
    memory curve;
 4. when nothing fits yet, staged recomputation on the low-memory orders (it fits
    budgets where on-demand eviction thrashes); then ``order_search`` (free order) where
-   order freedom matters: forward-only graphs, or training graphs whose greedy low-memory order lowers the reference peak; then the
-   low-memory recipe of :func:`~solver.methods.minpeak.min_peak_sequence`, which
-   reaches every budget that :class:`~solver.InfeasibleBudget` reports; and on graphs
-   of at most ``brute_force_max_ops`` ops, the exhaustive search over every
-   schedule;
+   order freedom matters: forward-only graphs, or training graphs whose greedy low-memory
+   order lowers the reference peak; then the low-memory recipe of
+   :func:`~solver.methods.minpeak.min_peak_sequence`, which reaches every budget that
+   :class:`~solver.InfeasibleBudget` reports; and on graphs of at most
+   ``brute_force_max_ops`` ops, the exhaustive search over every schedule;
 5. an exact method (``cpsat``, ``checkmate_milp``) on small graphs when a time limit
    leaves time, warm-started from the best schedule so far; the next one runs only
    while the proven gap is above ``gap_tolerance``;
@@ -486,7 +487,8 @@ class _Portfolio:
         t = self.tuning
         one_round = self.use_exact or (self.unlimited and self.asked_exact is None)
         if (self.training and self.extra() and one_round and self.n > t.stage_milp_max_ops
-                and t.stage_milp_one_share * self.left() >= t.stage_milp_one_seconds and "stage_milp" not in self.tried):
+                and t.stage_milp_one_share * self.left() >= t.stage_milp_one_seconds
+                and "stage_milp" not in self.tried):
             share = t.stage_milp_one_share * self.left()
             self.run("stage_milp", "the first 0/1 stage program's plan, repaired, with the program's proven bound",
                      time_limit=min(t.stage_milp_one_unlimited_seconds, share) if self.unlimited else share, rounds=1)
@@ -552,7 +554,9 @@ class _Portfolio:
 
         t, ix, n = self.tuning, self.ix, self.n
         if self.best is None and self.left() > t.min_slice and n <= t.staged_max_ops:
-            share = min(t.staged_seconds, t.staged_share * self.left()) if self.unlimited else t.staged_share * self.left()
+            share = t.staged_share * self.left()
+            if self.unlimited:
+                share = min(t.staged_seconds, share)
             self.staged(deadline=_time.perf_counter() + share, name="staged_free")
         if self.extra() and (self.has_time() or (self.best is None and self.left() > 0)):
             free_peak = min(order_peak(ix, min_memory_order(ix, tie=tie)) for tie in ("ref", "depth"))
@@ -590,7 +594,7 @@ class _Portfolio:
         hopeless = rescue and self.best is None and self.rules_out()
         if (self.use_bound and not rescue and self.use_exact and self.left() > 1.0 and self.extra()):
             self.early_bounds()
-        if hopeless or not (rescue or (self.use_exact and self.left() > 1.0 and self.extra() and not self.close_enough())):
+        if hopeless or not (rescue or (self.use_exact and self.left() > 1.0 and self.open_gap())):
             return
         hint = self.best if self.best is not None and self.keeps_order() else None
         for k, name in enumerate(("cpsat", "checkmate_milp")):

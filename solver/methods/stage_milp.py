@@ -268,7 +268,7 @@ def stage_milp(graph: ComputeGraph, budget_bytes: int, *, time_limit: float | No
     >>> s.info["optimal"], simulate(g, s.sequence).peak_bytes <= 9
     (True, True)
     """
-    from solver.bounds import step_excess, over_budget_steps, reference_facts
+    from solver.bounds import over_budget_steps, reference_facts, step_excess
     from solver.deadline import Deadline
 
     limit = 10.0 if time_limit is None else float(time_limit)
