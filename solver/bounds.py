@@ -55,14 +55,16 @@ def _least_time(d: dict) -> float:
     return float(d["time"])
 
 
-def _least_workspace(d: dict) -> int:
+def least_workspace(d: dict) -> int:
+    """The least workspace one computation of a node can be charged (a projection that
+    continues a run of its op is charged its ``run_workspace``)."""
     ws = int(d.get("workspace", 0))
     if d.get("group") is not None:
         ws = min(ws, int(d.get("run_workspace", ws)))
     return ws
 
 
-def _reference(graph: ComputeGraph) -> tuple[list, dict, list, list]:
+def reference_facts(graph: ComputeGraph) -> tuple[list, dict, list, list]:
     """The reference order, its index, the bytes of each op and the index of its last
     reader (``len(ops)`` for a step output: it is read at the end)."""
     ops = list(graph.order)
@@ -75,7 +77,7 @@ def _reference(graph: ComputeGraph) -> tuple[list, dict, list, list]:
     return ops, index, size, last_read
 
 
-def _excess(graph: ComputeGraph, ops: list, index: dict, size: list, last_read: list, room: int) -> list[int]:
+def step_excess(graph: ComputeGraph, ops: list, index: dict, size: list, last_read: list, room: int) -> list[int]:
     """Bytes by which each step of the reference order, run store-all, is over ``room``.
 
     The values live across step ``t`` (computed before, read after) are summed with a
@@ -92,7 +94,7 @@ def _excess(graph: ComputeGraph, ops: list, index: dict, size: list, last_read: 
     for t, v in enumerate(ops):
         across += delta[t]
         last = sum(size[i] for i in {index[u] for u in graph.op_preds(v)} if last_read[i] <= t)
-        out.append(size[t] + _least_workspace(nodes[v]) + across + last - room)
+        out.append(size[t] + least_workspace(nodes[v]) + across + last - room)
     return out
 
 
@@ -100,15 +102,15 @@ def _forced_amounts(graph: ComputeGraph, budget_bytes: int, reference: tuple | N
                     excess: list | None = None) -> list[float]:
     """The extra compute that the argument of :func:`forced_recompute_bound` forces at
     each step of the reference order (0 where the step fits store-all, ``math.inf``
-    where it cannot fit); ``reference`` and ``excess`` as :func:`_reference` and
-    :func:`_excess` give them, when the caller has them."""
+    where it cannot fit); ``reference`` and ``excess`` as :func:`reference_facts` and
+    :func:`step_excess` give them, when the caller has them."""
     import numpy as np
 
-    ops, index, size, last_read = reference or _reference(graph)
+    ops, index, size, last_read = reference or reference_facts(graph)
     nodes = graph.nx.nodes
     room = int(budget_bytes) - graph.fixed_bytes
     if excess is None:
-        excess = _excess(graph, ops, index, size, last_read, room)
+        excess = step_excess(graph, ops, index, size, last_read, room)
     # the values that may go, cheapest per byte first; at each step over the budget the
     # live ones (computed before, read after, not an input) are taken in that order
     free = [i for i, v in enumerate(ops) if nodes[v].get("recomputable", True) and size[i] > 0]
@@ -314,7 +316,7 @@ def stage_lp_bound(graph: ComputeGraph, budget_bytes: int, *, stages: int = STAG
     from solver.deadline import Deadline
 
     deadline = Deadline(time_limit)
-    ops, index, size, last_read = reference or _reference(graph)
+    ops, index, size, last_read = reference or reference_facts(graph)
     nodes = graph.nx.nodes
     n = len(ops)
     base = float(sum(nodes[v]["time"] for v in ops))
@@ -323,35 +325,13 @@ def stage_lp_bound(graph: ComputeGraph, budget_bytes: int, *, stages: int = STAG
     readers = [sorted(index[w] for w in graph.op_succs(v)) for v in ops]
     room = int(budget_bytes) - graph.fixed_bytes
     if boundaries is None:
-        excess = _excess(graph, ops, index, size, last_read, room)
+        excess = step_excess(graph, ops, index, size, last_read, room)
         marks = _pick_boundaries(excess, [True] * n, stages)
     else:
         marks = sorted(set(_boundary_indices(graph, boundaries, index)))
     if not marks:
         return base
-    m = len(marks)
-
-    def interval(r: int) -> int:
-        """The interval ``k`` (``t_k < r <= t_{k+1}``) of the first computation of ``r``
-        (``m - 1`` for the end of the step)."""
-        lo, hi = 0, m - 1
-        while lo < hi:  # the last k with marks[k] < r
-            mid = (lo + hi + 1) // 2
-            if marks[mid] < r:
-                lo = mid
-            else:
-                hi = mid - 1
-        return lo
-
-    def required(i: int, k: int):
-        t = marks[k]
-        if last_read[i] <= t:
-            return None
-        r = next((w for w in readers[i] if w > t), n)
-        return interval(r) if r < n else m - 1
-
-    rule = _Rule(candidates=lambda k: range(marks[k]), before=lambda i, k: i < marks[k], required=required,
-                 may_first=lambda i, k: i > marks[0] and interval(i) == k)
+    rule = _fixed_order_rule(marks, readers, last_read)
     return _relaxation(graph, budget_bytes, ops, index, size, marks, rule, deadline, kept, integral, solution,
                        hold, hint, gap)
 
@@ -374,6 +354,34 @@ class _Rule:
         self.may_first = may_first
 
 
+def _fixed_order_rule(marks: list, readers: list, last_read: list) -> _Rule:
+    """What the reference order of first computations tells the stage relaxation at the
+    boundaries ``marks``: value ``i`` is first computed at step ``i``."""
+    n, m = len(readers), len(marks)
+
+    def interval(r: int) -> int:
+        """The interval ``k`` (``t_k < r <= t_{k+1}``) of the first computation of ``r``
+        (``m - 1`` for the end of the step)."""
+        lo, hi = 0, m - 1
+        while lo < hi:  # the last k with marks[k] < r
+            mid = (lo + hi + 1) // 2
+            if marks[mid] < r:
+                lo = mid
+            else:
+                hi = mid - 1
+        return lo
+
+    def required(i: int, k: int):
+        t = marks[k]
+        if last_read[i] <= t:
+            return None
+        r = next((w for w in readers[i] if w > t), n)
+        return interval(r) if r < n else m - 1
+
+    return _Rule(candidates=lambda k: range(marks[k]), before=lambda i, k: i < marks[k], required=required,
+                 may_first=lambda i, k: i > marks[0] and interval(i) == k)
+
+
 def _boundary_indices(graph: ComputeGraph, boundaries, index: dict) -> list[int]:
     out = []
     for v in boundaries:
@@ -390,104 +398,146 @@ def _relaxation(graph: ComputeGraph, budget_bytes: int, ops: list, index: dict, 
     """The LP of :func:`stage_lp_bound` at the boundaries ``marks`` (op indices, in the
     order of their first computations), with what the order freedom allows from ``rule``."""
     from solver.deadline import OutOfTime
-    from solver.lp_backend import create_solver, solve_quietly
 
-    nodes = graph.nx.nodes
-    n = len(ops)
-    m = len(marks)
-    base = float(sum(nodes[v]["time"] for v in ops))
-    cost = [float(nodes[v]["time"]) for v in ops]
-    can_redo = [bool(nodes[v].get("recomputable", True)) for v in ops]
-    preds = [sorted({index[u] for u in graph.op_preds(v)}) for v in ops]
-    room = int(budget_bytes) - graph.fixed_bytes
-    groups = _groups(graph, ops)
-    group_of = {i: g for g, (members, _) in groups.items() for i in members}
-    inputs = [set(preds[t]) for t in marks]
     try:
-        lp = create_solver("SCIP" if integral else "GLOP")
-        Var = (lambda: lp.IntVar(0.0, 1.0, "")) if integral else (lambda: lp.NumVar(0.0, 1.0, ""))
-        scale = 1.0 / max(1, room)
-        per = 1.0 / max([c for c in cost if c > 0], default=1.0)  # objective in units of the costliest op
-        keep: dict = {}  # (i, k) -> variable: a copy of i is live at boundary k
-        redo: dict = {}  # (i, k) -> variable: i is computed again in interval k
-        todo: list = []
+        program = _StageProgram(graph, budget_bytes, ops, index, size, marks, rule, deadline, integral)
+        program.needs()
+        if not program.fits():
+            return math.inf
+        program.set_objective()
+        if hold:
+            program.hold(hold)
+        if hint is not None and integral:
+            program.hint(hint)
+        status = program.solve(gap)
+    except OutOfTime:
+        return None
+    return program.answer(status, solution, kept)
 
-        def live(i: int, k: int):
-            """"i is live at boundary k": a variable, or 1.0 where it is so anyway (an
-            input or the output of t_k, a value of 0 bytes)."""
-            if size[i] == 0 or i == marks[k] or i in inputs[k]:
-                return 1.0
-            var = keep.get((i, k))
-            if var is None:
-                var = keep[(i, k)] = Var()
-                todo.append(("keep", i, k))
-            return var
 
-        def again(i: int, k: int):
-            if not can_redo[i] or size[i] == 0:
-                return None
-            var = redo.get((i, k))
-            if var is None:
-                var = redo[(i, k)] = Var()
-                todo.append(("redo", i, k))
-            return var
+class _StageProgram:
+    """The stage program of :func:`_relaxation`, built in phases: the reads each boundary
+    must serve (:meth:`needs`, with what those variables imply), the memory at each
+    boundary (:meth:`fits`), the objective, the held intervals and the hint; then solved
+    and read (:meth:`answer`). Variables are made on first use: ``keep[(i, k)]``, a copy
+    of ``i`` is live at boundary ``k``; ``redo[(i, k)]``, ``i`` is computed again in
+    interval ``k``."""
 
-        def at_least(terms, rhs: float) -> None:
-            """sum(terms) >= rhs; a term is a constant, None (nothing), a variable or a
-            (variable, coefficient) pair."""
-            const = sum(x for x in terms if isinstance(x, float))
-            if const >= rhs and not any(isinstance(x, tuple) and x[1] < 0 for x in terms):
-                return  # holds whatever the variables are
-            c = lp.Constraint(rhs - const, lp.infinity())
-            for x in terms:
-                if isinstance(x, tuple):
-                    c.SetCoefficient(*x)
-                elif x is not None and not isinstance(x, float):
-                    c.SetCoefficient(x, 1.0)
+    def __init__(self, graph: ComputeGraph, budget_bytes: int, ops: list, index: dict, size: list, marks: list,
+                 rule: _Rule, deadline, integral: bool) -> None:
+        from solver.lp_backend import create_solver
 
-        for k in range(m):
-            deadline.check("building the stage LP")
+        nodes = graph.nx.nodes
+        self.graph, self.nodes, self.ops, self.index, self.size = graph, nodes, ops, index, size
+        self.marks, self.m, self.rule, self.deadline, self.integral = marks, len(marks), rule, deadline, integral
+        self.base = float(sum(nodes[v]["time"] for v in ops))
+        self.cost = [float(nodes[v]["time"]) for v in ops]
+        self.can_redo = [bool(nodes[v].get("recomputable", True)) for v in ops]
+        self.preds = [sorted({index[u] for u in graph.op_preds(v)}) for v in ops]
+        self.room = int(budget_bytes) - graph.fixed_bytes
+        self.groups = _groups(graph, ops)
+        self.group_of = {i: g for g, (members, _) in self.groups.items() for i in members}
+        self.inputs = [set(self.preds[t]) for t in marks]
+        self.lp = lp = create_solver("SCIP" if integral else "GLOP")
+        self.new_var = (lambda: lp.IntVar(0.0, 1.0, "")) if integral else (lambda: lp.NumVar(0.0, 1.0, ""))
+        self.scale = 1.0 / max(1, self.room)
+        self.per = 1.0 / max([c for c in self.cost if c > 0], default=1.0)  # objective in units of the costliest op
+        self.keep: dict = {}
+        self.redo: dict = {}
+        self.todo: list = []  # variables made, whose implications are still to add
+        self.objective = None
+
+    def live(self, i: int, k: int):
+        """"i is live at boundary k": a variable, or 1.0 where it is so anyway (an input or
+        the output of t_k, a value of 0 bytes)."""
+        if self.size[i] == 0 or i == self.marks[k] or i in self.inputs[k]:
+            return 1.0
+        var = self.keep.get((i, k))
+        if var is None:
+            var = self.keep[(i, k)] = self.new_var()
+            self.todo.append(("keep", i, k))
+        return var
+
+    def again(self, i: int, k: int):
+        """"i is computed again in interval k": a variable, or None where it cannot be."""
+        if not self.can_redo[i] or self.size[i] == 0:
+            return None
+        var = self.redo.get((i, k))
+        if var is None:
+            var = self.redo[(i, k)] = self.new_var()
+            self.todo.append(("redo", i, k))
+        return var
+
+    def at_least(self, terms, rhs: float) -> None:
+        """sum(terms) >= rhs; a term is a constant, None (nothing), a variable or a
+        (variable, coefficient) pair."""
+        const = sum(x for x in terms if isinstance(x, float))
+        if const >= rhs and not any(isinstance(x, tuple) and x[1] < 0 for x in terms):
+            return  # holds whatever the variables are
+        c = self.lp.Constraint(rhs - const, self.lp.infinity())
+        for x in terms:
+            if isinstance(x, tuple):
+                c.SetCoefficient(*x)
+            elif x is not None and not isinstance(x, float):
+                c.SetCoefficient(x, 1.0)
+
+    def needs(self) -> None:
+        """Each value read after boundary ``k`` is live then or computed again before the
+        read; then what each variable made implies, until none is left."""
+        rule, size, live, again, at_least = self.rule, self.size, self.live, self.again, self.at_least
+        for k in range(self.m):
+            self.deadline.check("building the stage LP")
             for i in rule.candidates(k):
-                if size[i] == 0 or i in inputs[k]:
+                if size[i] == 0 or i in self.inputs[k]:
                     continue
                 last = rule.required(i, k)
                 if last is None:
                     continue
                 # needed after t_k: live now, or computed again before that read
                 at_least([live(i, k)] + [again(i, k2) for k2 in range(k, last + 1)], 1.0)
-        while todo:
-            deadline.check("building the stage LP")
-            what, i, k = todo.pop()
+        while self.todo:
+            self.deadline.check("building the stage LP")
+            what, i, k = self.todo.pop()
             if what == "keep":
                 # live at t_k: live at t_{k-1} or computed in between (unless maybe first computed then)
                 if k == 0 or not rule.before(i, k - 1):
                     continue
-                at_least([live(i, k - 1), again(i, k - 1), (keep[(i, k)], -1.0)], 0.0)
+                at_least([live(i, k - 1), again(i, k - 1), (self.keep[(i, k)], -1.0)], 0.0)
             else:
                 # computed again in interval k: each input live at t_k or computed again in
                 # interval k too (an input maybe first computed after t_k needs nothing)
-                q = redo[(i, k)]
-                for j in preds[i]:
+                q = self.redo[(i, k)]
+                for j in self.preds[i]:
                     if not rule.before(j, k):
                         continue
                     at_least([live(j, k), again(j, k), (q, -1.0)], 0.0)
-        for k, t in enumerate(marks):
-            need = size[t] + _least_workspace(nodes[ops[t]]) + sum(size[i] for i in inputs[k])
-            if need > room:
-                return math.inf
-            memory = lp.Constraint(-lp.infinity(), (room - need) * scale)
-            for (i, k2), var in keep.items():
+
+    def fits(self) -> bool:
+        """The values kept at each boundary fit beside its op's output, workspace and
+        inputs; False where those alone do not."""
+        lp, size = self.lp, self.size
+        for k, t in enumerate(self.marks):
+            need = size[t] + least_workspace(self.nodes[self.ops[t]]) + sum(size[i] for i in self.inputs[k])
+            if need > self.room:
+                return False
+            memory = lp.Constraint(-lp.infinity(), (self.room - need) * self.scale)
+            for (i, k2), var in self.keep.items():
                 if k2 == k:
-                    memory.SetCoefficient(var, size[i] * scale)
-        # objective: the time of what is computed again
-        objective = lp.Objective()
+                    memory.SetCoefficient(var, size[i] * self.scale)
+        return True
+
+    def set_objective(self) -> None:
+        """The time of what is computed again: a multi-output op once per interval that
+        computes some of its projections again (unless it runs there anyway)."""
+        lp, groups, per = self.lp, self.groups, self.per
+        self.objective = objective = lp.Objective()
         run: dict = {}
-        for (i, k), q in redo.items():
-            g = group_of.get(i)
+        for (i, k), q in self.redo.items():
+            g = self.group_of.get(i)
             if g is None:
-                objective.SetCoefficient(q, cost[i] * per)
+                objective.SetCoefficient(q, self.cost[i] * per)
                 continue
-            if marks[k] in groups[g][0] or any(rule.may_first(j, k) for j in groups[g][0]):
+            if self.marks[k] in groups[g][0] or any(self.rule.may_first(j, k) for j in groups[g][0]):
                 continue  # a run of the op may happen in this interval anyway
             r = run.get((g, k))
             if r is None:
@@ -496,59 +546,72 @@ def _relaxation(graph: ComputeGraph, budget_bytes: int, ops: list, index: dict, 
             c = lp.Constraint(0.0, lp.infinity())
             c.SetCoefficient(r, 1.0)
             c.SetCoefficient(q, -1.0)
-        if hold:
-            held = {}  # interval -> what it computes again
-            for k in range(m):
-                key = (ops[marks[k]], ops[marks[k + 1]] if k + 1 < m else None)
-                if key in hold:
-                    held[k] = {index[v] for v in hold[key] if v in index}
-            for (i, k), q in redo.items():
-                if k in held and i not in held[k]:
-                    q.SetBounds(0.0, 0.0)
-        if hint is not None and integral and redo:
-            pairs = list(redo.items())
-            lp.SetHint([q for _, q in pairs],
-                       [1.0 if k in hint.get(ops[i], ()) else 0.0 for (i, k), _ in pairs])
-        objective.SetMinimization()
-        deadline.check("building the stage LP")
-        left = deadline.left()
+
+    def hold(self, hold: dict) -> None:
+        """Held intervals compute again only what ``hold`` names for them."""
+        ops, marks, m = self.ops, self.marks, self.m
+        held = {}  # interval -> what it computes again
+        for k in range(m):
+            key = (ops[marks[k]], ops[marks[k + 1]] if k + 1 < m else None)
+            if key in hold:
+                held[k] = {self.index[v] for v in hold[key] if v in self.index}
+        for (i, k), q in self.redo.items():
+            if k in held and i not in held[k]:
+                q.SetBounds(0.0, 0.0)
+
+    def hint(self, hint: dict) -> None:
+        """Start the 0/1 program from ``hint`` (node id -> intervals computing it again)."""
+        if self.redo:
+            pairs = list(self.redo.items())
+            self.lp.SetHint([q for _, q in pairs],
+                            [1.0 if k in hint.get(self.ops[i], ()) else 0.0 for (i, k), _ in pairs])
+
+    def solve(self, gap: float | None):
+        """Solve within the deadline; with ``gap``, the 0/1 program may stop that close."""
+        from solver.lp_backend import solve_quietly
+
+        self.objective.SetMinimization()
+        self.deadline.check("building the stage LP")
+        left = self.deadline.left()
         if math.isfinite(left):
-            lp.SetTimeLimit(max(1, int(1000 * left)))
+            self.lp.SetTimeLimit(max(1, int(1000 * left)))
         params = None
-        if integral and gap is not None:
+        if self.integral and gap is not None:
             from ortools.linear_solver import pywraplp
 
             params = pywraplp.MPSolverParameters()
             params.SetDoubleParam(params.RELATIVE_MIP_GAP, float(gap))
-        status = solve_quietly(lp, params)
-    except OutOfTime:
-        return None
-    if status == lp.INFEASIBLE:
-        return math.inf
-    if integral and status in (lp.OPTIMAL, lp.FEASIBLE, lp.NOT_SOLVED):
-        value = lp.Objective().BestBound() / per  # "optimal" means within the solver's gap tolerance
-        if not math.isfinite(value):
+        return solve_quietly(self.lp, params)
+
+    def answer(self, status, solution: dict | None, kept: dict | None) -> float | None:
+        """The bound the solver's ``status`` gives (math.inf: infeasible; None: none);
+        ``solution`` and ``kept`` filled as :func:`stage_lp_bound` says."""
+        lp, per, ops = self.lp, self.per, self.ops
+        if status == lp.INFEASIBLE:
+            return math.inf
+        if self.integral and status in (lp.OPTIMAL, lp.FEASIBLE, lp.NOT_SOLVED):
+            value = lp.Objective().BestBound() / per  # "optimal" means within the solver's gap tolerance
+            if not math.isfinite(value):
+                return None
+        elif status != lp.OPTIMAL:
             return None
-    elif status != lp.OPTIMAL:
-        return None
-    else:
-        value = objective.Value() / per
-    if solution is not None and status in (lp.OPTIMAL, lp.FEASIBLE):
-        redone: dict = {}
-        for (i, k), q in sorted(redo.items(), key=lambda x: x[0][1]):
-            if q.solution_value() > 0.5:
-                redone.setdefault(ops[i], []).append(k)
-        solution.clear()
-        solution.update(boundaries=[ops[t] for t in marks], redo=redone, value=objective.Value() / per)
-    if kept is not None and status in (lp.OPTIMAL, lp.FEASIBLE):
-        kept.update({ops[i]: var.solution_value() for (i, k), var in keep.items() if k == 0})
-    shortfall = sum(min(0.0, gt - sum(cost[i] for i in members)) for members, gt in groups.values())
-    extra = max(0.0, value * (1 - 1e-6) - 1e-12 * base) + shortfall
-    return max(base, base + extra)
+        else:
+            value = self.objective.Value() / per
+        if solution is not None and status in (lp.OPTIMAL, lp.FEASIBLE):
+            redone: dict = {}
+            for (i, k), q in sorted(self.redo.items(), key=lambda x: x[0][1]):
+                if q.solution_value() > 0.5:
+                    redone.setdefault(ops[i], []).append(k)
+            solution.clear()
+            solution.update(boundaries=[ops[t] for t in self.marks], redo=redone, value=self.objective.Value() / per)
+        if kept is not None and status in (lp.OPTIMAL, lp.FEASIBLE):
+            kept.update({ops[i]: var.solution_value() for (i, k), var in self.keep.items() if k == 0})
+        shortfall = sum(min(0.0, gt - sum(self.cost[i] for i in members)) for members, gt in self.groups.values())
+        extra = max(0.0, value * (1 - 1e-6) - 1e-12 * self.base) + shortfall
+        return max(self.base, self.base + extra)
 
 
-
-def _over_budget(graph: ComputeGraph, ops: list, excess: list, *, every: bool = False) -> list[int]:
+def over_budget_steps(graph: ComputeGraph, ops: list, excess: list, *, every: bool = False) -> list[int]:
     """The steps over the budget (with ``every``, all steps), most over first, one per
     multi-output op (the projections of one op share their inputs and mostly their
     excess)."""
@@ -594,9 +657,9 @@ GROW_TRIES = 8
 def worst_step(graph: ComputeGraph, budget_bytes: int, reference: tuple | None = None):
     """The op whose first computation is most over ``budget_bytes`` when the reference
     order runs store-all (projections of multi-output ops excluded), or None when every
-    step fits (``reference``: :func:`_reference`'s figures, when the caller has them)."""
-    ops, index, size, last_read = reference or _reference(graph)
-    excess = _excess(graph, ops, index, size, last_read, int(budget_bytes) - graph.fixed_bytes)
+    step fits (``reference``: :func:`reference_facts`'s figures, when the caller has them)."""
+    ops, index, size, last_read = reference or reference_facts(graph)
+    excess = step_excess(graph, ops, index, size, last_read, int(budget_bytes) - graph.fixed_bytes)
     over = [t for t in range(len(ops)) if excess[t] > 0 and graph[ops[t]].get("group") is None]
     return ops[max(over, key=lambda t: (excess[t], -t))] if over else None
 
@@ -606,7 +669,7 @@ def _candidates(graph: ComputeGraph, ops: list, excess: list, amounts: list[floa
     those where :func:`forced_recompute_bound`'s argument forces the most
     (:func:`_forced_amounts`), by turns (the strongest LP sits at either), one per
     multi-output op."""
-    over = _over_budget(graph, ops, excess)
+    over = over_budget_steps(graph, ops, excess)
     forced = sorted(over, key=lambda t: (-amounts[t], t))
     out, seen = [], set()
     for pair in zip(forced, over):
@@ -862,8 +925,8 @@ def fixed_order_bound(graph: ComputeGraph, budget_bytes: int, *, tries: int = TR
     from solver.deadline import Deadline
 
     deadline = Deadline(time_limit)
-    reference = ops, index, size, last_read = _reference(graph)
-    excess = _excess(graph, ops, index, size, last_read, int(budget_bytes) - graph.fixed_bytes)
+    reference = ops, index, size, last_read = reference_facts(graph)
+    excess = step_excess(graph, ops, index, size, last_read, int(budget_bytes) - graph.fixed_bytes)
     amounts = _forced_amounts(graph, budget_bytes, reference, excess)
     best = _forced_bound(graph, amounts)
 
@@ -898,8 +961,8 @@ def fixed_order_bound(graph: ComputeGraph, budget_bytes: int, *, tries: int = TR
         return best
 
     return _best_of(bound_at, candidates[:tries], graph.total("time"), best,
-                    deadline, time_limit, enough, every=_over_budget(graph, ops, excess, every=True)[:EVERY],
-                    pool=sorted(_over_budget(graph, ops, excess)), known=known)
+                    deadline, time_limit, enough, every=over_budget_steps(graph, ops, excess, every=True)[:EVERY],
+                    pool=sorted(over_budget_steps(graph, ops, excess)), known=known)
 
 
 # ------------------------------------------------------------------ free order
@@ -930,7 +993,7 @@ class _Ancestry:
     uses: an op's ancestors run first before it, its descendants after."""
 
     def __init__(self, graph: ComputeGraph):
-        self.ops, self.index, self.size, _ = _reference(graph)
+        self.ops, self.index, self.size, _ = reference_facts(graph)
         nodes = graph.nx.nodes
         self.anc, self.desc = _ancestry(graph, self.ops, self.index)
         self.readers = [[self.index[w] for w in graph.op_succs(v)] for v in self.ops]
@@ -1084,17 +1147,17 @@ def free_order_bound(graph: ComputeGraph, budget_bytes: int, *, tries: int = FRE
     ops, index, size = facts.ops, facts.index, facts.size
     if not ops or tries <= 0:
         return base
-    _, _, _, last_read = _reference(graph)
+    _, _, _, last_read = reference_facts(graph)
     nodes = graph.nx.nodes
     room = int(budget_bytes) - graph.fixed_bytes
-    excess = _excess(graph, ops, index, size, last_read, room)
-    over = _over_budget(graph, ops, excess)
+    excess = step_excess(graph, ops, index, size, last_read, room)
+    over = over_budget_steps(graph, ops, excess)
     scored = []
     for t in over[:FREE_CANDIDATES]:
         if deadline.expired():
             break
         inputs = {index[u] for u in graph.op_preds(ops[t])}
-        need = size[t] + _least_workspace(nodes[ops[t]]) + sum(size[i] for i in inputs)
+        need = size[t] + least_workspace(nodes[ops[t]]) + sum(size[i] for i in inputs)
         need += sum(size[i] for i in facts.required(t) if i not in inputs)
         if need > room:
             scored.append((need - room, t))

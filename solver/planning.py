@@ -41,16 +41,7 @@ __all__ = ["Captured", "Request", "plan_step", "PLANNING_GAP_TOLERANCE"]
 
 log = logging.getLogger(__name__)
 
-#: ``auto``'s gap tolerance when it plans a model's step (:func:`solver.optimize`'s
-#: ``gap_tolerance``): twice :func:`solver.solve`'s. A plan's extra compute is predicted
-#: from op timings whose error is larger: the captured ops of the benchmarks' GPT add up
-#: to 16 % less than its eager step, and two copies of one plain model time 0.99-1.11x
-#: of each other (``benchmarks/models.py``); at 6 % extra compute, 2 % of it is 0.12 %
-#: of the step. On eight captures of a 32-layer Llama at half of store-all, ``auto``
-#: ended within 0.2 % after the first stage program (2.3-2.6 s); on two more, kept from
-#: earlier runs for being slow, that program's plan was 1.3 % and 1.5 % from its bound,
-#: and closing to 1 % took 2-7 s more (``lp_eviction``, block DP, bounds) for schedules
-#: 0.03-0.09 % of the step cheaper.
+#: ``auto``'s gap tolerance when it plans a model's step (twice :func:`solver.solve`'s; docs/tuning.md).
 PLANNING_GAP_TOLERANCE = 0.02
 
 #: graph mode's fallbacks, in order, for an ``auto`` schedule that fails the self-check

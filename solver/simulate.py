@@ -129,29 +129,73 @@ def simulate(
         sequence = list(schedule)
         offloads = []
     nodes = graph.node_data
-    pred = graph.pred_map
     n_steps = len(sequence)
-    fixed = graph.fixed_bytes
     base_cost = float(sum(nodes[v]["time"] for v in graph.ops))
 
-    error: str | None = None
-    # occurrence bookkeeping
-    occ_start: list[int] = []           # step of each occurrence
-    occ_node: list[Hashable] = []
-    occ_end: list[int] = []              # last step at which the copy is live
-    current: dict[Hashable, int] = {}    # node -> index of its latest occurrence
-    occ_at_step: list[int] = []
-    reads_at_step: list[list[int]] = []
-    seen: set = set()
-    recomputations = 0
-    ops_set = graph.ops_set
+    rep = _replay(graph, sequence, deadline)
+    if rep.error is None:
+        rep.error = _order_error(graph, sequence, rep.seen)
+    # outputs: the latest copy stays live until the end
+    for v, k in rep.current.items():
+        if nodes[v].get("output", False):
+            rep.occ_end[k] = max(n_steps - 1, rep.occ_end[k])
+    d2h, h2d, holes = _offload(graph, sequence, offloads, bandwidth, rep)
+    if deadline is not None:
+        deadline.check("replaying a schedule")
+    curve = _device_bytes(graph, n_steps, rep, holes)
+    compute, workspace = _steps(nodes, sequence, deadline)
+    curve = curve + workspace
+    if offloads and bandwidth:
+        step_cost = np.maximum(compute, np.maximum(d2h, h2d) / bandwidth)
+        cost = float(step_cost.sum())
+    else:
+        cost = float(compute.sum())
+    if n_steps:
+        peak_step = int(np.argmax(curve))
+        peak = int(curve[peak_step])
+    else:
+        peak_step, peak = 0, int(graph.fixed_bytes)
+    return SimulationResult(
+        valid=rep.error is None,
+        error=rep.error,
+        peak_bytes=peak,
+        peak_step=peak_step,
+        cost=cost,
+        base_cost=base_cost,
+        memory_curve=curve,
+        recomputations=rep.recomputations,
+    )
 
+
+@dataclass
+class _Replay:
+    """The copies a sequence makes: occurrence ``k`` of node ``occ_node[k]`` is made at
+    step ``occ_start[k]`` and live until ``occ_end[k]``; ``reads_at_step[t]`` are the
+    occurrences step ``t`` reads; ``current`` maps each node to its latest occurrence."""
+
+    occ_start: list[int] = field(default_factory=list)
+    occ_node: list[Hashable] = field(default_factory=list)
+    occ_end: list[int] = field(default_factory=list)
+    current: dict[Hashable, int] = field(default_factory=dict)
+    reads_at_step: list[list[int]] = field(default_factory=list)
+    seen: set = field(default_factory=set)
+    recomputations: int = 0
+    error: str | None = None  # the first violation
+
+
+def _replay(graph: ComputeGraph, sequence, deadline) -> _Replay:
+    """Phase 1: run the sequence, making a copy per step and extending the live range of
+    every copy read; note the first read of a missing value or unknown node."""
+    nodes, pred, ops_set = graph.node_data, graph.pred_map, graph.ops_set
+    rep = _Replay()
+    occ_start, occ_node, occ_end, current = rep.occ_start, rep.occ_node, rep.occ_end, rep.current
+    reads_at_step, seen = rep.reads_at_step, rep.seen
+    error: str | None = None
     for t, v in enumerate(sequence):
         if deadline is not None and t & 4095 == 4095:
             deadline.check("replaying a schedule")
         if v not in nodes:
             error = error or f"step {t}: unknown node {v!r}"
-            occ_at_step.append(-1)
             reads_at_step.append([])
             continue
         if v not in ops_set:
@@ -169,133 +213,122 @@ def simulate(
             reads.append(k)
         reads_at_step.append(reads)
         if v in seen:
-            recomputations += 1
+            rep.recomputations += 1
             if not nodes[v].get("recomputable", True):
                 error = error or (f"step {t}: {v!r} is not recomputable (a random op, or a forward output "
                                   "that the caller holds) but runs twice")
         seen.add(v)
-        k = len(occ_start)
+        current[v] = len(occ_start)
         occ_start.append(t)
         occ_node.append(v)
         occ_end.append(t)
-        current[v] = k
-        occ_at_step.append(k)
+    rep.error = error
+    return rep
 
+
+def _order_error(graph: ComputeGraph, sequence, seen: set) -> str | None:
+    """Phase 2: the ops of ``graph.meta["ordered"]`` first run in that order, and every
+    op runs."""
     ordered = graph.meta.get("ordered")
-    if ordered and error is None:
+    if ordered:
         first = {}
         for t, v in enumerate(sequence):
             first.setdefault(v, t)
         pos = [first[v] for v in ordered if v in first]
         for a, b in zip(pos, pos[1:]):
             if b < a:
-                error = (f"step {a}: {sequence[a]!r} runs after {sequence[b]!r}, against the graph's "
-                         "required order (random ops draw in their reference order)")
-                break
+                return (f"step {a}: {sequence[a]!r} runs after {sequence[b]!r}, against the graph's "
+                        "required order (random ops draw in their reference order)")
     missing = [v for v in graph.ops if v not in seen]
-    if missing and error is None:
-        error = f"{len(missing)} op nodes never run, e.g. {missing[0]!r}"
-    # outputs: the latest copy stays live until the end
-    for v, k in current.items():
-        if nodes[v].get("output", False):
-            occ_end[k] = max(n_steps - 1, occ_end[k])
+    if missing:
+        return f"{len(missing)} op nodes never run, e.g. {missing[0]!r}"
+    return None
 
-    # offloads: cut [after+2, before-2] out of the copy's device interval
+
+def _offload(graph: ComputeGraph, sequence, offloads, bandwidth, rep: _Replay):
+    """Phase 3: the bytes sent to and fetched from the host at each step, and the steps
+    ``(occurrence, first, last)`` each offloaded copy spends off the device (the copy's
+    interval less ``[after + 2, before - 2]``); an offloaded copy read is an error."""
+    nodes, n_steps = graph.node_data, len(sequence)
     d2h = np.zeros(n_steps)
     h2d = np.zeros(n_steps)
     holes: list[tuple[int, int, int]] = []  # (occurrence, first hidden step, last hidden step)
-    if offloads:
-        if not bandwidth or bandwidth <= 0:
-            error = error or "the schedule offloads but no positive bandwidth was given"
-        windows: dict[int, list[tuple[int, int]]] = {}
-        occurrences: dict[Hashable, list[int]] = {}
-        for k, v in enumerate(occ_node):
-            occurrences.setdefault(v, []).append(k)
-        for off in offloads:
-            k = next(
-                (k for k in occurrences.get(off.node, ()) if occ_start[k] <= off.after <= occ_end[k]),
-                None,
-            )
-            if k is None:
-                error = error or f"offload of {off.node!r}: no copy is live at step {off.after}"
-                continue
-            if not (0 <= off.after and off.after + 1 < off.before <= n_steps):
-                error = error or f"offload of {off.node!r}: need 0 <= after < before - 1 < len(sequence)"
-                continue
-            nbytes = nodes[off.node]["bytes"]
-            d2h[off.after + 1] += nbytes
-            h2d[off.before - 1] += nbytes
-            lo, hi = off.after + 2, off.before - 2
-            for a2, b2 in windows.setdefault(k, []):
-                if a2 + 1 <= off.before - 1 and off.after + 1 <= b2 - 1:
-                    error = error or f"offload windows of {off.node!r} overlap"
-            windows[k].append((off.after, off.before))
-            if lo <= hi:
-                holes.append((k, lo, hi))
-            # the copy cannot be read from the step after it leaves until it is back
-            for t in range(off.after + 2, off.before):
-                for r in reads_at_step[t]:
-                    if r == k:
-                        error = error or (
-                            f"step {t}: {sequence[t]!r} reads {off.node!r} while it is on the host"
-                        )
+    if not offloads:
+        return d2h, h2d, holes
+    occ_start, occ_end = rep.occ_start, rep.occ_end
+    error = rep.error
+    if not bandwidth or bandwidth <= 0:
+        error = error or "the schedule offloads but no positive bandwidth was given"
+    windows: dict[int, list[tuple[int, int]]] = {}
+    occurrences: dict[Hashable, list[int]] = {}
+    for k, v in enumerate(rep.occ_node):
+        occurrences.setdefault(v, []).append(k)
+    for off in offloads:
+        k = next((k for k in occurrences.get(off.node, ()) if occ_start[k] <= off.after <= occ_end[k]), None)
+        if k is None:
+            error = error or f"offload of {off.node!r}: no copy is live at step {off.after}"
+            continue
+        if not (0 <= off.after and off.after + 1 < off.before <= n_steps):
+            error = error or f"offload of {off.node!r}: need 0 <= after < before - 1 < len(sequence)"
+            continue
+        nbytes = nodes[off.node]["bytes"]
+        d2h[off.after + 1] += nbytes
+        h2d[off.before - 1] += nbytes
+        lo, hi = off.after + 2, off.before - 2
+        for a2, b2 in windows.setdefault(k, []):
+            if a2 + 1 <= off.before - 1 and off.after + 1 <= b2 - 1:
+                error = error or f"offload windows of {off.node!r} overlap"
+        windows[k].append((off.after, off.before))
+        if lo <= hi:
+            holes.append((k, lo, hi))
+        # the copy cannot be read from the step after it leaves until it is back
+        for t in range(off.after + 2, off.before):
+            for r in rep.reads_at_step[t]:
+                if r == k:
+                    error = error or f"step {t}: {sequence[t]!r} reads {off.node!r} while it is on the host"
+    rep.error = error
+    return d2h, h2d, holes
 
-    # sweep memory with a difference array
-    if deadline is not None:
-        deadline.check("replaying a schedule")
+
+def _device_bytes(graph: ComputeGraph, n_steps: int, rep: _Replay, holes) -> np.ndarray:
+    """Phase 4: the fixed bytes plus every live on-device copy at each step, swept with a
+    difference array."""
+    nodes = graph.node_data
     delta = np.zeros(n_steps + 1, dtype=np.int64)
-    for k in range(len(occ_start)):
-        b = int(nodes[occ_node[k]]["bytes"])
+    for k in range(len(rep.occ_start)):
+        b = int(nodes[rep.occ_node[k]]["bytes"])
         if b:
-            delta[occ_start[k]] += b
-            delta[occ_end[k] + 1] -= b
+            delta[rep.occ_start[k]] += b
+            delta[rep.occ_end[k] + 1] -= b
     for k, lo, hi in holes:
-        lo2, hi2 = max(lo, occ_start[k]), min(hi, occ_end[k])
+        lo2, hi2 = max(lo, rep.occ_start[k]), min(hi, rep.occ_end[k])
         if lo2 <= hi2:
-            b = int(nodes[occ_node[k]]["bytes"])
+            b = int(nodes[rep.occ_node[k]]["bytes"])
             delta[lo2] -= b
             delta[hi2 + 1] += b
-    curve = np.cumsum(delta[:n_steps]) + fixed
+    return np.cumsum(delta[:n_steps]) + graph.fixed_bytes
+
+
+def _steps(nodes, sequence, deadline) -> tuple[np.ndarray, np.ndarray]:
+    """Phase 5: each step's compute time and workspace bytes."""
     times: list[float] = []
     spaces: list[int] = []
-    for t in range(n_steps):
+    for t in range(len(sequence)):
         if deadline is not None and t & 4095 == 4095:
             deadline.check("replaying a schedule")
         run = _continues_run(nodes, sequence, t)
-        times.append(_time(nodes, sequence[t], run))
-        spaces.append(_workspace(nodes, sequence[t], run))
-    compute = np.array(times, dtype=float)
-    workspace = np.array(spaces, dtype=np.int64)
-    curve = curve + workspace
-    if offloads and bandwidth:
-        step_cost = np.maximum(compute, np.maximum(d2h, h2d) / bandwidth)
-        cost = float(step_cost.sum())
-    else:
-        cost = float(compute.sum())
-    if n_steps:
-        peak_step = int(np.argmax(curve))
-        peak = int(curve[peak_step])
-    else:
-        peak_step, peak = 0, int(fixed)
-    return SimulationResult(
-        valid=error is None,
-        error=error,
-        peak_bytes=peak,
-        peak_step=peak_step,
-        cost=cost,
-        base_cost=base_cost,
-        memory_curve=curve,
-        recomputations=recomputations,
-    )
+        times.append(step_time(nodes, sequence[t], run))
+        spaces.append(step_workspace(nodes, sequence[t], run))
+    return np.array(times, dtype=float), np.array(spaces, dtype=np.int64)
 
 
 def _continues_run(nodes, sequence, t: int) -> bool:
     """Does step ``t`` continue a run of a multi-output op (it follows an earlier
     projection of the same ``group`` directly)?"""
-    return t > 0 and _continues(nodes, sequence[t - 1], sequence[t])
+    return t > 0 and step_continues(nodes, sequence[t - 1], sequence[t])
 
 
-def _continues(nodes, prev, v) -> bool:
+def step_continues(nodes, prev, v) -> bool:
     """Does a step of ``v`` right after a step of ``prev`` continue a run of a
     multi-output op (``prev`` an earlier projection of the same ``group``)?"""
     if v not in nodes or prev not in nodes:
@@ -305,7 +338,7 @@ def _continues(nodes, prev, v) -> bool:
     return group is not None and before.get("group") == group and before.get("group_index", 0) < d.get("group_index", 0)
 
 
-def _time(nodes, v, continues: bool) -> float:
+def step_time(nodes, v, continues: bool) -> float:
     """A projection that starts a run of its op pays the whole op (``group_time``); one
     that continues the run pays nothing more. Other nodes pay their ``time``."""
     if v not in nodes:
@@ -316,7 +349,7 @@ def _time(nodes, v, continues: bool) -> float:
     return float(d["time"])
 
 
-def _workspace(nodes, v, continues: bool) -> int:
+def step_workspace(nodes, v, continues: bool) -> int:
     """Workspace of a step: a projection that continues a run is charged only for the
     outputs still to come (``run_workspace``), the earlier ones being live nodes."""
     if v not in nodes:

@@ -18,13 +18,8 @@ from typing import Iterator
 import numpy as np
 
 from graphs import ComputeGraph
-from solver.plans import (
-    cheapest_fitting,
-    forward_stages,
-    has_backward,
-    sequence_from_keep,
-    stage_regions,
-)
+from solver.methods.contract import chain_stages, store_all_candidate, store_all_fallback
+from solver.plans import cheapest_fitting, sequence_from_keep, stage_regions
 from solver.deadline import Deadline
 from solver.errors import NoScheduleFound
 from solver.registry import register
@@ -52,17 +47,6 @@ def store_all(graph: ComputeGraph, budget_bytes: int | None = None, *, time_limi
                                   "use a method that recomputes (e.g. method='auto')", best_peak=peak)
     return Schedule(sequence=sequence, method="store_all", lower_bound=graph.total("time"),
                     info={"order": "fixed"})
-
-
-def _store_all_candidate(graph: ComputeGraph) -> tuple[list, dict]:
-    return list(graph.order), {"plan": "store_all"}
-
-
-def _stages_or_none(graph: ComputeGraph):
-    if not has_backward(graph):
-        return None
-    stages = forward_stages(graph)
-    return stages or None
 
 
 #: Share of ``time_limit`` in which a baseline builds and grades its settings: the judge
@@ -121,15 +105,15 @@ def checkpoint_all(graph: ComputeGraph, budget_bytes: int, *, time_limit=None) -
     4
     """
     work = work_deadline(time_limit)
-    stages = _stages_or_none(graph)
+    stages = chain_stages(graph)
     if stages is None:
-        cands = [_store_all_candidate(graph)]
-    else:
-        def one():
-            yield (sequence_from_keep(graph, set(), regions=stage_regions(graph, stages), deadline=work),
-                   {"plan": "checkpoint_all", "stages": len(stages)})
-        cands = one()
-    seq, info = cheapest_fitting(graph, cands, budget_bytes, method="checkpoint_all", deadline=work)
+        return store_all_fallback(graph, budget_bytes, method="checkpoint_all", deadline=work)
+
+    def one():
+        yield (sequence_from_keep(graph, set(), regions=stage_regions(graph, stages), deadline=work),
+               {"plan": "checkpoint_all", "stages": len(stages)})
+
+    seq, info = cheapest_fitting(graph, one(), budget_bytes, method="checkpoint_all", deadline=work)
     return _schedule("checkpoint_all", seq, info)
 
 
@@ -197,15 +181,14 @@ def every_k(graph: ComputeGraph, budget_bytes: int, *, time_limit=None, k: int |
     if k is not None and int(k) < 1:
         raise ValueError(f"every_k needs k >= 1, got {k!r}")
     work = work_deadline(time_limit)
-    stages = _stages_or_none(graph)
+    stages = chain_stages(graph)
     if stages is None:
-        cands = [_store_all_candidate(graph)]
+        return store_all_fallback(graph, budget_bytes, method="every_k", deadline=work)
+    if k is not None:
+        ks = [int(k)]
     else:
-        if k is not None:
-            ks = [int(k)]
-        else:
-            ks = range(1, len(stages) + 1) if work is None else _outward(len(stages))
-        cands = _every_k_candidates(graph, stages, ks, deadline=work)
+        ks = range(1, len(stages) + 1) if work is None else _outward(len(stages))
+    cands = _every_k_candidates(graph, stages, ks, deadline=work)
     seq, info = cheapest_fitting(graph, cands, budget_bytes, method="every_k", deadline=work)
     return _schedule("every_k", seq, info)
 
@@ -243,7 +226,7 @@ def chen_sqrt(graph: ComputeGraph, budget_bytes: int, *, time_limit=None) -> Sch
     ('chen_sqrt', 3)
     """
     work = work_deadline(time_limit)
-    stages = _stages_or_none(graph)
+    stages = chain_stages(graph)
 
     def cands():
         # the plan first: when time is short, it is the one that reaches low budgets
@@ -252,7 +235,7 @@ def chen_sqrt(graph: ComputeGraph, budget_bytes: int, *, time_limit=None) -> Sch
             k = math.ceil(n / math.ceil(math.sqrt(n)))
             for seq, info in _every_k_candidates(graph, stages, [k], deadline=work):
                 yield seq, dict(info, plan="chen_sqrt")
-        yield _store_all_candidate(graph)
+        yield store_all_candidate(graph)
 
     seq, info = cheapest_fitting(graph, cands(), budget_bytes, method="chen_sqrt", deadline=work)
     return _schedule("chen_sqrt", seq, info)
@@ -325,11 +308,9 @@ def chen_greedy(
     ('chen_greedy', True)
     """
     work = work_deadline(time_limit)
-    stages = _stages_or_none(graph)
+    stages = chain_stages(graph)
     if stages is None:
-        seq, info = cheapest_fitting(graph, [_store_all_candidate(graph)], budget_bytes, method="chen_greedy",
-                                     deadline=work)
-        return _schedule("chen_greedy", seq, info)
+        return store_all_fallback(graph, budget_bytes, method="chen_greedy", deadline=work)
     sizes = [_stage_bytes(graph, st) for st in stages]
     lo, hi = max(1, min(sizes)), max(1, sum(sizes))
     grid = sorted(set(np.unique(np.geomspace(lo, hi, num=max(2, int(thresholds)))).tolist()) | {0.0})

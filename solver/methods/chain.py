@@ -60,7 +60,8 @@ import numpy as np
 from graphs import ComputeGraph
 from solver.deadline import Deadline, OutOfTime
 from solver.errors import NoScheduleFound
-from solver.plans import Stage, cheapest_fitting, forced_keep, forward_stages, has_backward
+from solver.methods.contract import chain_stages, room_of, store_all_fallback
+from solver.plans import Stage, forced_keep, forward_stages
 from solver.registry import register
 from solver.schedule import Schedule
 from solver.simulate import simulate
@@ -82,8 +83,8 @@ PROGRAM_SHARE = 0.4
 MODEL_SHARE = 0.3
 
 
-def _local_peak(graph: ComputeGraph, ops: Sequence[Hashable], pre: Iterable[Hashable],
-                keep_after: set) -> int:
+def local_peak(graph: ComputeGraph, ops: Sequence[Hashable], pre: Iterable[Hashable],
+               keep_after: set) -> int:
     """Peak bytes of running ``ops`` with only ``pre`` live at the start, under the
     simulator's rules restricted to these values: a value is live until its last reader
     in ``ops``, or to the end when it is in ``keep_after``."""
@@ -119,6 +120,9 @@ def _local_peak(graph: ComputeGraph, ops: Sequence[Hashable], pre: Iterable[Hash
         w = int(nodes[ops[t]].get("workspace", 0))
         peak = max(peak, cur + w)
     return peak
+
+
+_local_peak = local_peak  # (the name solver.methods.blocks imports)
 
 
 @dataclass
@@ -209,17 +213,17 @@ def chain_model(graph: ComputeGraph, stages: list[Stage] | None = None, *,
         wx[i] = int(nodes[x]["bytes"])
         xbar[i] = sum(int(nodes[v]["bytes"]) for v in keepb)
         xbar_nb[i] = xbar[i] - wx[i]
-        pn[i] = _local_peak(graph, F, [], {x})
+        pn[i] = local_peak(graph, F, [], {x})
         prev = [stages[i - 1].boundary] if i > 0 else []
-        pn_in[i] = _local_peak(graph, F, prev, {x})
-        pa[i] = _local_peak(graph, F, [], keepb)
-        pa_nb[i] = _local_peak(graph, F[:-1], [], keepb - {x})
+        pn_in[i] = local_peak(graph, F, prev, {x})
+        pa[i] = local_peak(graph, F, [], keepb)
+        pa_nb[i] = local_peak(graph, F[:-1], [], keepb - {x})
         # incoming gradients: backward values of later stages still alive at stage i
         incoming = [b for b, j in stage_of_b.items() if j > i and _alive_at(graph, b, i, stage_of_b)]
         out_b = {b for b in B if nodes[b].get("output", False)
                  or any(stage_of_b.get(w, -1) < i for w in graph.op_succs(b))}
         keep_in = {b for b in incoming if _read_below(graph, b, i, stage_of_b) or nodes[b].get("output", False)}
-        pb[i] = _local_peak(graph, B, list(keepb) + incoming, out_b | keep_in)
+        pb[i] = local_peak(graph, B, list(keepb) + incoming, out_b | keep_in)
     return ChainModel(stages, fwd, fwd_nb, bwd, wx, xbar, xbar_nb, pn, pn_in, pa, pa_nb, pb, grad)
 
 
@@ -770,16 +774,41 @@ def chain_dp(
     >>> solver.solve(g, 7, method="chain_dp").cost > solver.solve(g, 100, method="chain_dp").cost
     True
     """
-    if not has_backward(graph) or not forward_stages(graph):
-        seq, info = cheapest_fitting(graph, [(list(graph.order), {"plan": "store_all"})], budget_bytes,
-                                     method="chain_dp")
-        return Schedule(sequence=seq, method="chain_dp", info=dict(info, order="fixed"))
+    stages = chain_stages(graph)
+    if stages is None:
+        return store_all_fallback(graph, budget_bytes, method="chain_dp")
     deadline = Deadline(time_limit)
-    stages = forward_stages(graph)
-    avail = int(budget_bytes) - graph.fixed_bytes
-    if avail <= 0:
-        raise NoScheduleFound(f"chain_dp: the fixed bytes alone exceed the budget of {budget_bytes} B",
-                              best_peak=graph.fixed_bytes)
+    avail = room_of(graph, budget_bytes, method="chain_dp", at_least=1)
+    chain, prog, row, unit, top = _chain_program(graph, stages, avail, deadline, time_limit, slots=slots,
+                                                 nonpersistent=nonpersistent)
+    finite = np.flatnonzero(np.isfinite(row))
+    if finite.size == 0:
+        merged = "" if chain is stages else (
+            f" ({len(chain)} stages merged from {len(stages)} to keep the time limit of "
+            f"{time_limit:g} s; a longer one merges less)")
+        raise NoScheduleFound(
+            f"chain_dp: no schedule of the chain family{merged} fits even with every slot; "
+            "use a general method such as 'eviction' or 'checkmate_milp'", best_peak=None)
+    best, tried, best_peak, timed_out = _graded_levels(graph, budget_bytes, prog, row, top,
+                                                       None if time_limit is None else deadline)
+    if best is None:
+        raise NoScheduleFound(
+            f"chain_dp: no schedule of the chain family fits {budget_bytes} B"
+            + (" among those it graded before the time limit passed" if timed_out else "")
+            + (f" (its smallest simulated peak is {best_peak} B)" if best_peak is not None else "")
+            + "; use a general method such as 'eviction' or 'checkmate_milp'", best_peak=best_peak)
+    seq, r, m = best
+    return Schedule(sequence=seq, method="chain_dp",
+                    info={"order": "fixed", "plan": "chain_dp", "stages": len(stages),
+                          "model_cost": float(row[m]), "slots_used": int(m), "slot_bytes": unit,
+                          "candidates": len(tried), "merged": math.ceil(len(stages) / len(chain))})
+
+
+def _chain_program(graph: ComputeGraph, stages: list, avail: int, deadline: Deadline, time_limit, *,
+                   slots: int | None, nonpersistent: bool | None):
+    """Phase 1 of :func:`chain_dp`: the chain's model and its program, stages merged where
+    either would not finish in time; returns ``(chain, program, row, unit, top)``, ``row``
+    the program's cost at each slot count at the top level."""
     chain = stages
     while True:
         L = len(chain)
@@ -834,14 +863,13 @@ def chain_dp(
             continue
         row = prog.cost[0, L - 1, 0, 1:]
         break
-    finite = np.flatnonzero(np.isfinite(row))
-    if finite.size == 0:
-        merged = "" if chain is stages else (
-            f" ({len(chain)} stages merged from {len(stages)} to keep the time limit of "
-            f"{time_limit:g} s; a longer one merges less)")
-        raise NoScheduleFound(
-            f"chain_dp: no schedule of the chain family{merged} fits even with every slot; "
-            "use a general method such as 'eviction' or 'checkmate_milp'", best_peak=None)
+    return chain, prog, row, unit, top
+
+
+def _graded_levels(graph: ComputeGraph, budget: int, prog, row, top: int, deadline: Deadline | None):
+    """Phase 2 of :func:`chain_dp`: the program's plans at a few slot counts, simulated;
+    returns ``(best, tried, best_peak, timed_out)``, ``best`` the cheapest ``(sequence,
+    result, slots)`` within ``budget`` or None."""
     # try the top level at the budget, then cheaper settings above it (the model is
     # conservative), then lower limits until the simulated peak fits
     tried: dict[tuple, tuple] = {}
@@ -854,11 +882,11 @@ def chain_dp(
         key = tuple(seq)
         if key in tried:
             return tried[key]
-        r = simulate(graph, seq, deadline=None if time_limit is None else deadline)
-        tried[key] = (r.valid and r.peak_bytes <= budget_bytes, r)
+        r = simulate(graph, seq, deadline=deadline)
+        tried[key] = (r.valid and r.peak_bytes <= budget, r)
         if r.valid:
             best_peak = r.peak_bytes if best_peak is None else min(best_peak, r.peak_bytes)
-            if r.peak_bytes <= budget_bytes and (best is None or r.cost < best[1].cost):
+            if r.peak_bytes <= budget and (best is None or r.cost < best[1].cost):
                 best = (seq, r, m)
         return tried[key]
 
@@ -879,14 +907,4 @@ def chain_dp(
                 break
     except OutOfTime:
         timed_out = True
-    if best is None:
-        raise NoScheduleFound(
-            f"chain_dp: no schedule of the chain family fits {budget_bytes} B"
-            + (" among those it graded before the time limit passed" if timed_out else "")
-            + (f" (its smallest simulated peak is {best_peak} B)" if best_peak is not None else "")
-            + "; use a general method such as 'eviction' or 'checkmate_milp'", best_peak=best_peak)
-    seq, r, m = best
-    return Schedule(sequence=seq, method="chain_dp",
-                    info={"order": "fixed", "plan": "chain_dp", "stages": len(stages),
-                          "model_cost": float(row[m]), "slots_used": int(m), "slot_bytes": unit,
-                          "candidates": len(tried), "merged": math.ceil(len(stages) / len(chain))})
+    return best, tried, best_peak, timed_out

@@ -277,7 +277,7 @@ def relieved_from_keep(graph: ComputeGraph, keep, budget_bytes: int, *, deadline
         :func:`~solver.plans.sequence_from_keep` sequence.
     """
     from solver.methods.drop import drop_recomputations
-    from solver.methods.staged import _Plan, relieve
+    from solver.methods.staged import StagedPlan, relieve
     from solver.plans import sequence_from_keep
     from solver.simulate import simulate
 
@@ -287,7 +287,7 @@ def relieved_from_keep(graph: ComputeGraph, keep, budget_bytes: int, *, deadline
     except NoScheduleFound:
         return None, []
     index = {v: i for i, v in enumerate(ix.ids)}
-    plan = _Plan.of_sequence(ix, range(ix.n), [index[v] for v in seq])
+    plan = StagedPlan.of_sequence(ix, range(ix.n), [index[v] for v in seq])
     if not relieve(plan, int(budget_bytes) - ix.fixed, deadline=deadline):
         return None, seq
     ids = drop_recomputations(graph, [ix.ids[i] for i in plan.sequence()], budget_bytes, deadline=deadline)

@@ -39,6 +39,7 @@ from typing import Hashable, Sequence
 from graphs import ComputeGraph
 from solver.deadline import Deadline, OutOfTime
 from solver.errors import NoScheduleFound, SolverError
+from solver.methods.contract import room_of, time_limit_of
 from solver.registry import register
 from solver.schedule import Schedule
 from solver.simulate import simulate
@@ -47,7 +48,6 @@ __all__ = ["cpsat"]
 
 log = logging.getLogger(__name__)
 
-DEFAULT_TIME_LIMIT = 60.0
 SMALL_GRAPH = 12
 #: A model may take this share of the time left to build; the rest is for solving.
 BUILD_SHARE = 0.8
@@ -69,7 +69,7 @@ def _integer_times(times: list[float]) -> tuple[list[int], int]:
 
 class _Problem:
     def __init__(self, graph: ComputeGraph, budget: int) -> None:
-        self.graph = graph
+        self.graph, self.budget = graph, budget
         self.ops = list(graph.order)
         n = self.n = len(self.ops)
         index = self.index = {v: i for i, v in enumerate(self.ops)}
@@ -94,9 +94,9 @@ class _Problem:
 
 def _hint_copies(p: _Problem, sequence: Sequence[Hashable]) -> list[list[int]] | None:
     """Start slots of every computation of a stage-form sequence, per op."""
-    from solver.methods.milp import _normalize
+    from solver.methods.milp import normalized_stages
 
-    stages = _normalize(p.graph, sequence)
+    stages = normalized_stages(p.graph, sequence)
     if stages is None:
         return None
     starts: list[list[int]] = [[] for _ in range(p.n)]
@@ -277,38 +277,72 @@ def cpsat(
     """
     from ortools.sat.python import cp_model
 
-    from solver.methods.milp import _candidate_hints, _exact_workspaces, lp_lower_bound
+    from solver.methods.milp import candidate_hints, exact_workspaces, lp_lower_bound
 
     t0 = time.perf_counter()
     budget = int(budget_bytes)
-    limit = DEFAULT_TIME_LIMIT if time_limit is None else float(time_limit)
-    deadline = Deadline(limit)
+    limit, deadline = time_limit_of(time_limit)
+    room_of(graph, budget, method="cpsat")
     p = _Problem(graph, budget)
-    if p.capacity < 0:
-        raise NoScheduleFound(f"the fixed bytes alone exceed the budget of {budget} B")
-    if copies is None or (copies == "auto" and p.n <= SMALL_GRAPH):
-        cap = list(p.max_copies)
-        grow = False
-    elif copies == "auto":
-        cap = [min(2, m) for m in p.max_copies]
-        grow = True
-    else:
-        if int(copies) < 1:
-            raise ValueError(f"copies must be at least 1, got {copies!r}")
-        cap = [min(int(copies), m) for m in p.max_copies]
-        grow = False
-    stages = _candidate_hints(graph, budget, hint)
-    warm = None
+    cap, grow = _copy_caps(p, copies)
+    stages = candidate_hints(graph, budget, hint)
     fallback = [graph.order[i] for st in stages[0] for i in st] if stages else None
-    if stages:
-        warm = [[] for _ in range(p.n)]
-        for t, st in enumerate(stages[0]):
-            for k in st:
-                warm[k].append(p.slot(t, k))
-        if any(len(w) > m for w, m in zip(warm, p.max_copies)):
-            warm = None
-        else:
-            cap = [max(c, len(w)) for c, w in zip(cap, warm)]
+    warm, cap = _warm_start(p, stages[0], cap) if stages else (None, cap)
+    run = _rounds(p, cap, grow, warm, deadline, workers, t0=t0, limit=limit)
+    best_seq, best_cost, status_name, bound, rounds, stopped, status, cap = run
+    if best_seq is None and fallback is not None and status != cp_model.INFEASIBLE:
+        # out of time before a solution: the warm start (it fits the budget) is all there is
+        stopped = stopped or "the solver stopped without a solution"
+        best_seq, best_cost, status_name = fallback, simulate(graph, fallback).cost, "hint"
+    if best_seq is None:
+        if status == cp_model.INFEASIBLE:
+            raise NoScheduleFound(f"no schedule with at most {max(cap)} computations of an op fits "
+                                  f"{budget} B (proven by CP-SAT); allow more copies (copies='auto')")
+        raise NoScheduleFound(f"cpsat found no schedule within {budget} B in {limit:.0f} s; "
+                              f"give a longer time_limit or a warm start (hint=)")
+    if not exact_workspaces(graph):
+        bound = None  # the model over-charges projections that continue a run: not a bound
+    if bound is None:
+        remaining = deadline.left()
+        lp = lp_lower_bound(graph, budget, time_limit=remaining) if remaining > 1 else None
+        bound = float(sum(p.time)) if lp is None else lp
+    bound = min(bound, best_cost)
+    info = {"order": "fixed", "status": status_name, "copies": max(cap), "rounds": rounds}
+    if stopped:
+        info["stopped"] = stopped
+    return Schedule(sequence=best_seq, method="cpsat", lower_bound=bound, info=info)
+
+
+def _copy_caps(p: "_Problem", copies) -> tuple[list[int], bool]:
+    """Computations allowed per op at the start (see :func:`cpsat`'s ``copies``), and
+    whether they grow."""
+    if copies is None or (copies == "auto" and p.n <= SMALL_GRAPH):
+        return list(p.max_copies), False
+    if copies == "auto":
+        return [min(2, m) for m in p.max_copies], True
+    if int(copies) < 1:
+        raise ValueError(f"copies must be at least 1, got {copies!r}")
+    return [min(int(copies), m) for m in p.max_copies], False
+
+
+def _warm_start(p: "_Problem", stages: list, cap: list[int]) -> tuple[list | None, list[int]]:
+    """The slots of a stage form as the model's hint (None where an op runs more often
+    than the model allows), with the caps raised to hold it."""
+    warm = [[] for _ in range(p.n)]
+    for t, st in enumerate(stages):
+        for k in st:
+            warm[k].append(p.slot(t, k))
+    if any(len(w) > m for w, m in zip(warm, p.max_copies)):
+        return None, cap
+    return warm, [max(c, len(w)) for c, w in zip(cap, warm)]
+
+
+def _rounds(p: "_Problem", cap: list[int], grow: bool, warm, deadline, workers: int, *, t0: float, limit: float):
+    """The model solved, the caps of the ops whose copies an optimal answer uses up grown
+    between rounds; returns ``(best sequence, its cost, status name, bound, rounds,
+    why it stopped early, the last CP-SAT status, the caps)``."""
+    from ortools.sat.python import cp_model
+
     best_seq, best_cost, status_name, bound = None, math.inf, "feasible", None
     rounds = 0
     stopped = None
@@ -326,7 +360,7 @@ def cpsat(
             if complete:
                 raise NoScheduleFound(
                     f"no schedule of the stage space (first computations in the reference order) "
-                    f"fits {budget} B (proven by CP-SAT); a free-order method may still fit"
+                    f"fits {p.budget} B (proven by CP-SAT); a free-order method may still fit"
                 )
             if not grow or time.perf_counter() - t0 > 0.9 * limit:
                 break
@@ -334,8 +368,8 @@ def cpsat(
             cap = [min(c + 1, m) for c, m in zip(cap, p.max_copies)]
             continue
         if seq is not None:
-            r = simulate(graph, seq)
-            if not r.valid or r.peak_bytes > budget:
+            r = simulate(p.graph, seq)
+            if not r.valid or r.peak_bytes > p.budget:
                 raise SolverError(f"cpsat extracted a schedule the simulator rejects: "
                                   f"{r.error or r.peak_bytes} (a model bug)")
             if r.cost < best_cost:
@@ -357,24 +391,4 @@ def cpsat(
         for i in saturated:
             cap[i] += 1
         log.info("cpsat: round %d used all copies of %d ops; growing their caps", rounds, len(saturated))
-    if best_seq is None and fallback is not None and status != cp_model.INFEASIBLE:
-        # out of time before a solution: the warm start (it fits the budget) is all there is
-        stopped = stopped or "the solver stopped without a solution"
-        best_seq, best_cost, status_name = fallback, simulate(graph, fallback).cost, "hint"
-    if best_seq is None:
-        if status == cp_model.INFEASIBLE:
-            raise NoScheduleFound(f"no schedule with at most {max(cap)} computations of an op fits "
-                                  f"{budget} B (proven by CP-SAT); allow more copies (copies='auto')")
-        raise NoScheduleFound(f"cpsat found no schedule within {budget} B in {limit:.0f} s; "
-                              f"give a longer time_limit or a warm start (hint=)")
-    if not _exact_workspaces(graph):
-        bound = None  # the model over-charges projections that continue a run: not a bound
-    if bound is None:
-        remaining = deadline.left()
-        lp = lp_lower_bound(graph, budget, time_limit=remaining) if remaining > 1 else None
-        bound = float(sum(p.time)) if lp is None else lp
-    bound = min(bound, best_cost)
-    info = {"order": "fixed", "status": status_name, "copies": max(cap), "rounds": rounds}
-    if stopped:
-        info["stopped"] = stopped
-    return Schedule(sequence=best_seq, method="cpsat", lower_bound=bound, info=info)
+    return best_seq, best_cost, status_name, bound, rounds, stopped, status, cap

@@ -22,8 +22,7 @@ from typing import Hashable, Sequence
 import numpy as np
 
 from graphs import ComputeGraph
-from solver.simulate import SimulationResult, _continues, _workspace, simulate
-from solver.simulate import _time as _step_time
+from solver.simulate import SimulationResult, simulate, step_continues, step_time, step_workspace
 
 __all__ = ["drop_recomputations", "dropped_and_graded"]
 
@@ -83,9 +82,9 @@ class _Replay:
                 nxt[before_k] = k
             current[v] = k
             step_occ[t] = k
-            c = last >= 0 and _continues(nodes, seq[last], v)
+            c = last >= 0 and step_continues(nodes, seq[last], v)
             cont[t] = c
-            compute[t], work[t] = _step_time(nodes, v, c), _workspace(nodes, v, c)
+            compute[t], work[t] = step_time(nodes, v, c), step_workspace(nodes, v, c)
             before[t] = last
             if last >= 0:
                 after[last] = t
@@ -143,9 +142,9 @@ class _Replay:
         j = self.after[i]
         if j < len(seq):
             h = self.before[i]
-            c = h >= 0 and _continues(self.nodes, seq[h], seq[j])
+            c = h >= 0 and step_continues(self.nodes, seq[h], seq[j])
             if c != self.cont[j]:
-                t, w = _step_time(self.nodes, seq[j], c), _workspace(self.nodes, seq[j], c)
+                t, w = step_time(self.nodes, seq[j], c), step_workspace(self.nodes, seq[j], c)
                 dcost = t - self.compute[j]
                 rerun = (c, t, w)
                 if w != self.work[j]:

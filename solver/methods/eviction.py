@@ -759,10 +759,26 @@ def order_search(
     limit = 10.0 if time_limit is None else float(time_limit)
     deadline = t0 + limit
     ix = IndexedGraph.of(graph)
-    rng = random.Random(seed)
     cap = int(budget_bytes) - ix.fixed
+    orders = _searched_orders(ix, cap, t0=t0, limit=limit, seed=seed, stall=stall)
+    # eviction on the reference order first, then on the orders by store-all peak
+    reference = list(range(ix.n))
+    orders = [reference] + [o for o in orders if o != reference]
+    best, best_info = _evicted_orders(ix, orders, budget_bytes, cap, deadline=deadline, patience=patience)
+    if best is None:
+        raise NoScheduleFound(
+            f"order_search found no schedule of {graph.name or 'the graph'} within {budget_bytes} B; "
+            f"the budget may be below the smallest feasible peak"
+        )
+    best_info["orders_tried"] = len(orders)
+    return _schedule(ix, best, "order_search", best_info)
+
+
+def _searched_orders(ix: IndexedGraph, cap: int, *, t0: float, limit: float, seed: int, stall: int | None) -> list:
+    """Phase 1 of :func:`order_search`: greedy low-memory orders, beams of growing width
+    while no order fits ``cap`` bytes, then a local search on the best; by store-all peak."""
+    rng = random.Random(seed)
     orders = candidate_orders(ix, deadline=t0 + 0.1 * limit, seed=seed)
-    # beam search with growing width while no order fits
     # beam search with growing width while no order fits; stop widening once a wider
     # beam no longer lowers the peak
     width = 16
@@ -783,10 +799,13 @@ def order_search(
                                max_stall=stall)
         if order_peak(ix, better) < order_peak(ix, orders[0]):
             orders.insert(0, better)
-    # eviction on the reference order first, then on the orders by store-all peak; stop
-    # after ``patience`` orders in a row that do not improve
-    reference = list(range(ix.n))
-    orders = [reference] + [o for o in orders if o != reference]
+    return orders
+
+
+def _evicted_orders(ix: IndexedGraph, orders: list, budget_bytes: int, cap: int, *, deadline: float,
+                    patience: int) -> tuple[list | None, dict | None]:
+    """Phase 2 of :func:`order_search`: eviction on ``orders`` (the first always), the
+    cheapest result kept; stops after ``patience`` orders in a row that do not improve."""
     best, best_key, best_info = None, None, None
     misses = 0
     for k, o in enumerate(orders):
@@ -814,10 +833,4 @@ def order_search(
             misses += 1
         if len(seq) == ix.n:
             break  # no recomputation: cannot do better
-    if best is None:
-        raise NoScheduleFound(
-            f"order_search found no schedule of {graph.name or 'the graph'} within {budget_bytes} B; "
-            f"the budget may be below the smallest feasible peak"
-        )
-    best_info["orders_tried"] = len(orders)
-    return _schedule(ix, best, "order_search", best_info)
+    return best, best_info

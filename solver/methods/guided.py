@@ -74,7 +74,7 @@ def lp_eviction(graph: ComputeGraph, budget_bytes: int, *, time_limit: float | N
     >>> r = simulate(g, s); r.valid and r.peak_bytes <= 8
     True
     """
-    from solver.bounds import _reference, stage_lp_bound, worst_step
+    from solver.bounds import reference_facts, stage_lp_bound, worst_step
 
     t0 = _time.perf_counter()
     deadline = None if time_limit is None else t0 + time_limit
@@ -87,7 +87,7 @@ def lp_eviction(graph: ComputeGraph, budget_bytes: int, *, time_limit: float | N
         return deadline is None or _time.perf_counter() < t0 + lp_time
 
     if lp_has_time():
-        reference = _reference(graph)  # one pass over the edges for both
+        reference = reference_facts(graph)  # one pass over the edges for both
         step = worst_step(graph, budget_bytes, reference)
         if step is not None and lp_has_time():
             bound = stage_lp_bound(graph, budget_bytes, boundaries=[step], time_limit=lp_time, kept=live,

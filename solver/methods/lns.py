@@ -154,7 +154,7 @@ def improve_sequence(graph: ComputeGraph, sequence: Sequence[Hashable], budget_b
     >>> simulate(g, better).cost <= simulate(g, seq).cost
     True
     """
-    from solver.methods.staged import _Plan, relieve
+    from solver.methods.staged import StagedPlan, relieve
 
     ix = ix or IndexedGraph.of(graph)
     n = ix.n
@@ -173,7 +173,7 @@ def improve_sequence(graph: ComputeGraph, sequence: Sequence[Hashable], budget_b
         cur = [index[v] for v in seq]
         seen: set = set()
         if r.recomputations and [v for v in cur if not (v in seen or seen.add(v))] == order:
-            states.append([cur, r.cost, np.maximum(cap, _Plan.of_sequence(ix, order, cur).memory)])
+            states.append([cur, r.cost, np.maximum(cap, StagedPlan.of_sequence(ix, order, cur).memory)])
     rng = random.Random(seed)
     rounds = 0
     while states and _time.perf_counter() < deadline and not (stop is not None and stop()):
@@ -183,7 +183,7 @@ def improve_sequence(graph: ComputeGraph, sequence: Sequence[Hashable], budget_b
         ruined, avoid = _ruin(state[0], rng, ix.time, n)
         if len(ruined) == len(state[0]):
             continue
-        plan = _Plan.of_sequence(ix, order, ruined)
+        plan = StagedPlan.of_sequence(ix, order, ruined)
         if not relieve(plan, state[2], deadline=deadline, avoid=avoid, rng=rng, noise=rng.choice(NOISE),
                        max_candidates=rng.choice(CANDIDATES)):
             continue
@@ -192,7 +192,7 @@ def improve_sequence(graph: ComputeGraph, sequence: Sequence[Hashable], budget_b
                                                                       best_cost + DRIFT * (best_cost - r.base_cost)):
             continue
         cur = [index[v] for v in ids]
-        state[:] = [cur, r.cost, np.maximum(cap, _Plan.of_sequence(ix, order, cur).memory)]
+        state[:] = [cur, r.cost, np.maximum(cap, StagedPlan.of_sequence(ix, order, cur).memory)]
         if r.cost < best_cost * (1 - _ULPS) or (r.cost <= best_cost * (1 + _ULPS) and len(ids) < len(best)):
             best, best_cost = ids, r.cost
     log.debug("lns: %d rounds from %d starts, cost %s", rounds, len(states), best_cost)

@@ -50,10 +50,11 @@ from dataclasses import dataclass, field
 from typing import Hashable, Sequence
 
 from graphs import ComputeGraph
-from solver.bounds import _least_workspace
+from solver.bounds import least_workspace
 from solver.deadline import Deadline, OutOfTime
 from solver.errors import NoScheduleFound, SolverError
 from solver.lp_backend import create_solver, solve_quietly
+from solver.methods.contract import DEFAULT_TIME_LIMIT, time_limit_of
 from solver.registry import register
 from solver.schedule import Schedule
 from solver.simulate import simulate
@@ -62,7 +63,6 @@ __all__ = ["checkmate_milp", "lp_lower_bound", "lower_bound", "stage_end_lower_b
 
 log = logging.getLogger(__name__)
 
-DEFAULT_TIME_LIMIT = 60.0
 #: Model building may use this share of the time left: handing a model to the backend
 #: takes up to about a quarter of its build time again (SCIP, measured), then it solves.
 BUILD_SHARE = 0.7
@@ -122,7 +122,7 @@ def stage_form(graph: ComputeGraph, sequence: Sequence[Hashable]) -> list[list[i
     return stages
 
 
-def _normalize(graph: ComputeGraph, sequence: Sequence[Hashable]) -> list[list[int]] | None:
+def normalized_stages(graph: ComputeGraph, sequence: Sequence[Hashable]) -> list[list[int]] | None:
     """Stage form of a sequence, after sorting and deduplicating each stage's recomputations."""
     index = {v: i for i, v in enumerate(graph.order)}
     stages: list[list[int]] = []
@@ -179,7 +179,7 @@ def _build(graph: ComputeGraph, budget: int, backend: str, *, relax: bool,
     pred = [sorted(index[u] for u in graph.op_preds(v)) for v in ops]
     size = [int(graph[v]["bytes"]) for v in ops]
     # the relaxation charges a projection the workspace of a run it may continue
-    ws = [_least_workspace(graph[v]) if relax else int(graph[v].get("workspace", 0)) for v in ops]
+    ws = [least_workspace(graph[v]) if relax else int(graph[v].get("workspace", 0)) for v in ops]
     tm = [float(graph[v]["time"]) for v in ops]
     recomputable = [bool(graph[v].get("recomputable", True)) for v in ops]
     output = [bool(graph[v].get("output", False)) for v in ops]
@@ -363,7 +363,7 @@ def _extract(m: _Model) -> list:
     return seq
 
 
-def _candidate_hints(graph: ComputeGraph, budget: int, hint) -> list[list[list[int]]]:
+def candidate_hints(graph: ComputeGraph, budget: int, hint) -> list[list[list[int]]]:
     """Stage forms of the given hint and of store-all, those that fit the budget."""
     seqs = []
     if hint is not None:
@@ -371,7 +371,7 @@ def _candidate_hints(graph: ComputeGraph, budget: int, hint) -> list[list[list[i
     seqs.append(list(graph.order))
     out = []
     for seq in seqs:
-        stages = _normalize(graph, seq)
+        stages = normalized_stages(graph, seq)
         if stages is None:
             continue
         r = simulate(graph, [graph.order[i] for st in stages for i in st])
@@ -436,10 +436,9 @@ def checkmate_milp(
 
     t0 = time.perf_counter()
     budget = int(budget_bytes)
-    limit = DEFAULT_TIME_LIMIT if time_limit is None else float(time_limit)
-    deadline = Deadline(limit)
+    limit, deadline = time_limit_of(time_limit)
     base = float(sum(graph[v]["time"] for v in graph.order))
-    candidates = _candidate_hints(graph, budget, hint)
+    candidates = candidate_hints(graph, budget, hint)
     shrink = 0
     why = "the solver stopped without a solution"
     for attempt in range(3):
@@ -476,7 +475,7 @@ def checkmate_milp(
             optimal = status == pywraplp.Solver.OPTIMAL and shrink == 0
             if bound is not None and not math.isfinite(bound):
                 bound = None
-            if not _exact_workspaces(graph):
+            if not exact_workspaces(graph):
                 optimal, bound = False, None  # the model over-charges projections that continue a run
             lb = r.cost if optimal else (min(bound, r.cost) if bound is not None and shrink == 0 else None)
             log.info("checkmate_milp: %s, cost %.6g, bound %s, %.2f s", "optimal" if optimal else "feasible",
@@ -500,11 +499,11 @@ def checkmate_milp(
     )
 
 
-def _exact_workspaces(graph: ComputeGraph) -> bool:
+def exact_workspaces(graph: ComputeGraph) -> bool:
     """Whether the MILP charges every op's workspace as the simulator does: no projection
     of a multi-output op is charged less when it continues a run (``run_workspace``)."""
     nodes = graph.nx.nodes
-    return all(_least_workspace(nodes[v]) == int(nodes[v].get("workspace", 0)) for v in graph.order)
+    return all(least_workspace(nodes[v]) == int(nodes[v].get("workspace", 0)) for v in graph.order)
 
 
 def _stage_end_lp(graph: ComputeGraph, budget: int, backend: str, *, deadline: Deadline | None = None):
@@ -558,7 +557,7 @@ def _stage_end_lp(graph: ComputeGraph, budget: int, backend: str, *, deadline: D
     for t in range(n):
         v = ops[t]
         inputs = set(pred[t])
-        need = fixed + size[t] + _least_workspace(graph[v]) + sum(size[p] for p in inputs)
+        need = fixed + size[t] + least_workspace(graph[v]) + sum(size[p] for p in inputs)
         kept = [size[i] * scale * S[t + 1, i] for i in range(t) if i not in inputs and (t + 1, i) in S]
         solver.Add(sum(kept) + need * scale <= budget * scale) if kept else None
     solver.Minimize(sum(c * x for x, c in terms) if terms else 0)

@@ -24,7 +24,8 @@ from graphs import ComputeGraph
 from solver.deadline import Deadline, OutOfTime
 from solver.errors import NoScheduleFound
 from solver.methods.baselines import work_deadline
-from solver.plans import Stage, cheapest_fitting, forward_stages, has_backward
+from solver.methods.contract import chain_stages, store_all_fallback
+from solver.plans import Stage, cheapest_fitting, forward_stages
 from solver.registry import register
 from solver.schedule import Schedule
 from solver.simulate import simulate
@@ -233,11 +234,9 @@ def revolve(graph: ComputeGraph, budget_bytes: int, *, time_limit=None, slots: i
     >>> s.info["slots"] >= 1
     True
     """
-    if not has_backward(graph) or not forward_stages(graph):
-        seq, info = cheapest_fitting(graph, [(list(graph.order), {"plan": "store_all"})], budget_bytes,
-                                     method="revolve")
-        return Schedule(sequence=seq, method="revolve", info=dict(info, order="fixed"))
-    stages = forward_stages(graph)
+    stages = chain_stages(graph)
+    if stages is None:
+        return store_all_fallback(graph, budget_bytes, method="revolve")
     n = len(stages)
 
     work = work_deadline(time_limit)

@@ -176,13 +176,13 @@ def sequence_from_stages(graph: ComputeGraph, boundaries: Sequence[Hashable],
 def _repaired(graph: ComputeGraph, ix: IndexedGraph, sequence: list, budget: int, deadline: float) -> list | None:
     """``sequence`` brought within ``budget`` by staged relief, its unneeded
     recomputations dropped; None when relief cannot."""
-    from solver.methods.staged import _Plan, relieve
+    from solver.methods.staged import StagedPlan, relieve
 
     index = {v: i for i, v in enumerate(ix.ids)}
     cur = [index[v] for v in sequence]
     seen: set = set()
     order = [i for i in cur if not (i in seen or seen.add(i))]
-    plan = _Plan.of_sequence(ix, order, cur)
+    plan = StagedPlan.of_sequence(ix, order, cur)
     if not relieve(plan, int(budget) - ix.fixed, deadline=deadline):
         return None
     ids = drop_recomputations(graph, [ix.ids[i] for i in plan.sequence()], budget, deadline=deadline)
@@ -268,139 +268,190 @@ def stage_milp(graph: ComputeGraph, budget_bytes: int, *, time_limit: float | No
     >>> s.info["optimal"], simulate(g, s.sequence).peak_bytes <= 9
     (True, True)
     """
-    from solver.bounds import _excess, _over_budget, _reference, stage_lp_bound
+    from solver.bounds import over_budget_steps, reference_facts, step_excess
     from solver.deadline import Deadline
 
     limit = 10.0 if time_limit is None else float(time_limit)
     deadline = Deadline(limit)
     soft = Deadline(limit if soft_limit is None else min(limit, float(soft_limit)))
     ix = IndexedGraph.of(graph)
-    ops, index, size, last_read = _reference(graph)
+    ops, index, size, last_read = reference_facts(graph)
     base = graph.total("time")
-    excess = _excess(graph, ops, index, size, last_read, int(budget_bytes) - graph.fixed_bytes)
-    over = _over_budget(graph, ops, excess)
+    excess = step_excess(graph, ops, index, size, last_read, int(budget_bytes) - graph.fixed_bytes)
+    over = over_budget_steps(graph, ops, excess)
     if not over:
         return Schedule(sequence=list(ops), method="stage_milp", lower_bound=base,
                         info={"order": "fixed", "optimal": True, "rounds": 0})
     small = len(ops) <= SMALL_OPS
     hold_rounds = not small if hold_rounds is None else bool(hold_rounds)
     first = FIRST_BOUNDARIES[0 if small else 1] if first is None else first
-    more = MORE_BOUNDARIES[0 if small else 1] if more is None else more
-    marks = sorted(over[:max(1, first)])
-    bound, best, best_cost = base, None, math.inf
-    history = []
-    closest = math.inf  # the lowest peak of a held round's plan so far
+    search = _Rounds(graph, budget_bytes, ix, ops, index, limit=limit, deadline=deadline, soft=soft,
+                     hold_rounds=hold_rounds,
+                     more=MORE_BOUNDARIES[0 if small else 1] if more is None else more,
+                     enough=enough, give_up_over=give_up_over)
+    search.marks = sorted(over[:max(1, first)])
+    search.run(max(1, rounds))
+    return search.schedule()
 
-    repair_seconds = 0.0  # the longest repair so far (its setup runs whatever its share)
 
-    def _repair_into(seq: list, share: float) -> None:
-        nonlocal best, best_cost, repair_seconds
-        if deadline.left() < repair_seconds:
-            return  # it would not end in time
-        started = _time.perf_counter()
-        fixed = _repaired(graph, ix, seq, budget_bytes, started + max(0.0, share * deadline.left()))
-        if fixed is not None:
-            c = simulate(graph, fixed).cost
-            if c < best_cost:
-                best, best_cost = fixed, c
-        repair_seconds = max(repair_seconds, _time.perf_counter() - started)
+class _Rounds:
+    """The rounds of :func:`stage_milp`: each solves the program at ``marks``, turns its
+    solution into a sequence, keeps or repairs it, and adds boundaries where it goes
+    over the budget (:meth:`round`)."""
 
-    held = None  # the intervals that a held round keeps as the last solution had them
-    hint = None  # a held round's solution that fitted: the start of the last round
-    capped = hold_rounds  # the first round's program gets FIRST_SHARE of the time
-    last_peak = math.inf  # the peak of the last round's plan
-    after = 0.0  # the longest a round took after its program (its sequence simulated, repaired)
-    solved_at = None
-    for round_ in range(max(1, rounds)):
-        if solved_at is not None:
-            after = max(after, _time.perf_counter() - solved_at)
-        closing_in = hint is not None or (held is not None and last_peak <= NEAR_OVER * budget_bytes)
-        if deadline.expired() or (round_ > 0 and soft.expired() and not closing_in):
-            break
-        solution: dict = {}
-        started = _time.perf_counter()
-        if held is not None:
+    def __init__(self, graph: ComputeGraph, budget: int, ix: IndexedGraph, ops: list, index: dict, *, limit: float,
+                 deadline, soft, hold_rounds: bool, more: int, enough: float | None,
+                 give_up_over: float | None) -> None:
+        self.graph, self.budget, self.ix, self.ops, self.index, self.limit = graph, budget, ix, ops, index, limit
+        self.deadline, self.soft = deadline, soft  # the time limit, and the soft_limit
+        self.base = graph.total("time")
+        self.hold_rounds, self.more, self.enough, self.give_up_over = hold_rounds, more, enough, give_up_over
+        self.marks: list = []  # the boundaries of the next program, as op indices
+        self.bound, self.best, self.best_cost = self.base, None, math.inf
+        self.history: list = []
+        self.closest = math.inf  # the lowest peak of a held round's plan so far
+        self.repair_seconds = 0.0  # the longest repair so far (its setup runs whatever its share)
+        self.held = None  # the intervals that a held round keeps as the last solution had them
+        self.hint = None  # a held round's solution that fitted: the start of the last round
+        self.capped = hold_rounds  # the first round's program gets FIRST_SHARE of the time
+        self.last_peak = math.inf  # the peak of the last round's plan
+        self.after = 0.0  # the longest a round took after its program (its sequence simulated, repaired)
+        self.solved_at = None
+
+    def run(self, rounds: int) -> None:
+        """Rounds until one says stop, the time is spent, or ``rounds`` are done."""
+        for round_ in range(rounds):
+            if self.solved_at is not None:
+                self.after = max(self.after, _time.perf_counter() - self.solved_at)
+            closing_in = self.hint is not None or (self.held is not None
+                                                   and self.last_peak <= NEAR_OVER * self.budget)
+            if self.deadline.expired() or (round_ > 0 and self.soft.expired() and not closing_in):
+                break
+            if not self.round(last=round_ == rounds - 1):
+                break
+
+    def program(self, solution: dict) -> float | None:
+        """The program at ``marks``, solved in this round's time (held, from a hint, the
+        first round's share, or the time left), ``solution`` filled."""
+        from solver.bounds import stage_lp_bound
+
+        deadline = self.deadline
+        if self.held is not None:
             seconds = min(deadline.left(), max(HELD_SECONDS, HELD_SHARE * deadline.left()))
-        elif hint is not None:
+        elif self.hint is not None:
             seconds = deadline.left()
         else:
-            seconds = FIRST_SHARE * soft.left() if capped else soft.left()
-        seconds = min(seconds, deadline.left() - after)  # what follows the program ends in time too
-        lb = stage_lp_bound(graph, budget_bytes, boundaries=[ops[t] for t in marks], integral=True,
-                            time_limit=max(0.05, seconds), solution=solution, hold=held, hint=hint,
-                            gap=None if held is None else HELD_GAP)
-        solved_at = _time.perf_counter()
-        hint = None
-        first_capped, capped = capped, False
+            seconds = FIRST_SHARE * self.soft.left() if self.capped else self.soft.left()
+        seconds = min(seconds, deadline.left() - self.after)  # what follows the program ends in time too
+        return stage_lp_bound(self.graph, self.budget, boundaries=[self.ops[t] for t in self.marks], integral=True,
+                              time_limit=max(0.05, seconds), solution=solution, hold=self.held, hint=self.hint,
+                              gap=None if self.held is None else HELD_GAP)
 
-        def record(bound_: float | None, cost: float | None, peak: int | None) -> None:
-            history.append({"boundaries": len(marks), "bound": bound_, "cost": cost, "peak": peak,
-                            "seconds": _time.perf_counter() - started, "held": held is not None})
+    def record(self, started: float, bound: float | None, cost: float | None, peak: int | None) -> None:
+        self.history.append({"boundaries": len(self.marks), "bound": bound, "cost": cost, "peak": peak,
+                             "seconds": _time.perf_counter() - started, "held": self.held is not None})
 
+    def round(self, *, last: bool) -> bool:
+        """One round; whether another may follow."""
+        solution: dict = {}
+        started = _time.perf_counter()
+        lb = self.program(solution)
+        self.solved_at = _time.perf_counter()
+        self.hint = None
+        first_capped, self.capped = self.capped, False
+        held = self.held
         if held is not None and (lb is None or math.isinf(lb) or not solution):
             # nothing that holds those intervals, in its time: the whole program instead
-            record(None, None, None)
-            held = None
-            continue
+            self.record(started, None, None, None)
+            self.held = None
+            return True
         if held is None and lb is not None:
-            bound = max(bound, lb)  # (a held round's value bounds nothing)
-        if math.isinf(bound):
-            raise NoScheduleFound(f"stage_milp: no fixed-order schedule of {graph.name or 'the graph'} fits "
-                                  f"{budget_bytes} B (the stage program is infeasible)")
+            self.bound = max(self.bound, lb)  # (a held round's value bounds nothing)
+        if math.isinf(self.bound):
+            raise NoScheduleFound(f"stage_milp: no fixed-order schedule of {self.graph.name or 'the graph'} fits "
+                                  f"{self.budget} B (the stage program is infeasible)")
         if not solution:
-            record(lb, None, None)
-            if first_capped:
-                continue  # none in the first round's share: the same program, with the time left
-            break
-        seq = sequence_from_stages(graph, solution["boundaries"], solution["redo"])
-        r = simulate(graph, seq)
-        fits = r.valid and r.peak_bytes <= budget_bytes
-        last_peak = r.peak_bytes if r.valid else math.inf
-        record(lb if held is None else None, r.cost if fits else None, r.peak_bytes)
-        if fits and r.cost < best_cost:
-            best, best_cost = seq, r.cost
+            self.record(started, lb, None, None)
+            return first_capped  # none in the first round's share: the same program, with the time left
+        seq = sequence_from_stages(self.graph, solution["boundaries"], solution["redo"])
+        r = simulate(self.graph, seq)
+        fits = r.valid and r.peak_bytes <= self.budget
+        self.last_peak = r.peak_bytes if r.valid else math.inf
+        self.record(started, lb if held is None else None, r.cost if fits else None, r.peak_bytes)
+        if fits and r.cost < self.best_cost:
+            self.best, self.best_cost = seq, r.cost
         # far over the budget: many rounds to go, and the whole program grows slow with
         # each; hold from now on
-        holding = hold_rounds and not fits and (held is not None or r.peak_bytes > HELD_OVER * budget_bytes)
-        if not fits and r.valid:
-            if not holding:
-                # the time left where no round follows (a caller asking for one round:
-                # the plan of the first program, repaired)
-                _repair_into(seq, share=1.0 if round_ == max(1, rounds) - 1 else ROUND_REPAIR_SHARE)
-            elif r.peak_bytes < closest:
-                closest = r.peak_bytes  # the closest to the budget so far: repaired, briefly
-                _repair_into(seq, share=REPAIR_SHARE)
-        # where the next round puts its boundaries (a caller's bound may use them too)
-        following = _next_marks(seq, r.memory_curve, marks, index, budget_bytes, one_per_run=holding,
-                                more=more) if not fits and r.valid else None
-        if not fits and give_up_over is not None and (held is not None or holding):
-            # a held plan still far over the budget, or a first plan so far over it
-            # that the held rounds would not bring it near: the caller's other
-            # searches get the time
-            if r.peak_bytes > give_up_over * (1.0 if held is not None else FIRST_GIVE_UP) * budget_bytes:
-                marks = following or marks
-                break
-        if (best is not None and _closed(best_cost, bound, base)) or (enough is not None and bound >= enough):
-            break
+        holding = self.hold_rounds and not fits and (held is not None or r.peak_bytes > HELD_OVER * self.budget)
+        if fits or not r.valid:
+            following = None
+        else:
+            self.repair(seq, r.peak_bytes, holding=holding, last=last)
+            # where the next round puts its boundaries (a caller's bound may use them too)
+            following = _next_marks(seq, r.memory_curve, self.marks, self.index, self.budget, one_per_run=holding,
+                                    more=self.more)
+        return self.next_round(fits, r.valid, r.peak_bytes, holding, following, solution)
+
+    def repair(self, seq: list, peak: int, *, holding: bool, last: bool) -> None:
+        """A plan over the budget: repaired, unless rounds are held and it comes no closer
+        to the budget than those before it (then briefly)."""
+        if not holding:
+            # the time left where no round follows (a caller asking for one round: the
+            # plan of the first program, repaired)
+            self.repair_into(seq, share=1.0 if last else ROUND_REPAIR_SHARE)
+        elif peak < self.closest:
+            self.closest = peak  # the closest to the budget so far: repaired, briefly
+            self.repair_into(seq, share=REPAIR_SHARE)
+
+    def repair_into(self, seq: list, share: float) -> None:
+        """``seq`` repaired within ``share`` of the time left; kept where it is the best."""
+        if self.deadline.left() < self.repair_seconds:
+            return  # it would not end in time
+        started = _time.perf_counter()
+        fixed = _repaired(self.graph, self.ix, seq, self.budget, started + max(0.0, share * self.deadline.left()))
+        if fixed is not None:
+            c = simulate(self.graph, fixed).cost
+            if c < self.best_cost:
+                self.best, self.best_cost = fixed, c
+        self.repair_seconds = max(self.repair_seconds, _time.perf_counter() - started)
+
+    def next_round(self, fits: bool, valid: bool, peak: int, holding: bool, following: list | None,
+                   solution: dict) -> bool:
+        """Whether a round follows, and what it holds and where its boundaries are."""
+        held, budget = self.held, self.budget
+        if not fits and self.give_up_over is not None and (held is not None or holding):
+            # a held plan still far over the budget, or a first plan so far over it that
+            # the held rounds would not bring it near: the caller's other searches get the time
+            if peak > self.give_up_over * (1.0 if held is not None else FIRST_GIVE_UP) * budget:
+                self.marks = following or self.marks
+                return False
+        if ((self.best is not None and _closed(self.best_cost, self.bound, self.base))
+                or (self.enough is not None and self.bound >= self.enough)):
+            return False
         if fits and held is not None:
             # the held rounds found boundaries where the program's plan fits: the whole
             # program there, from that plan, proves what it can in the time left
-            held, hint = None, solution["redo"]
-            continue
-        if fits or not r.valid:
-            break  # the program's best fits: more boundaries cannot lower its cost
-        held = _intervals(ops, index, solution) if holding else None
+            self.held, self.hint = None, solution["redo"]
+            return True
+        if fits or not valid:
+            return False  # the program's best fits: more boundaries cannot lower its cost
+        self.held = _intervals(self.ops, self.index, solution) if holding else None
         if not following:
-            break
-        marks = following
-    if best is None:
-        raise NoScheduleFound(f"stage_milp found no schedule of {graph.name or 'the graph'} within {budget_bytes} B "
-                              f"in {limit:g} s ({len(history)} rounds); give a longer time_limit",
-                              lower_bound=bound if bound > base else None)
-    bound = min(bound, best_cost)
-    return Schedule(sequence=list(best), method="stage_milp", lower_bound=bound,
-                    info={"order": "fixed", "optimal": _closed(best_cost, bound, base), "rounds": history,
-                          "boundaries": [ops[t] for t in marks]})
+            return False
+        self.marks = following
+        return True
+
+    def schedule(self) -> Schedule:
+        """The cheapest sequence within the budget, with the programs' best bound."""
+        ops, base = self.ops, self.base
+        if self.best is None:
+            raise NoScheduleFound(f"stage_milp found no schedule of {self.graph.name or 'the graph'} within "
+                                  f"{self.budget} B in {self.limit:g} s ({len(self.history)} rounds); "
+                                  "give a longer time_limit", lower_bound=self.bound if self.bound > base else None)
+        bound = min(self.bound, self.best_cost)
+        return Schedule(sequence=list(self.best), method="stage_milp", lower_bound=bound,
+                        info={"order": "fixed", "optimal": _closed(self.best_cost, bound, base),
+                              "rounds": self.history, "boundaries": [ops[t] for t in self.marks]})
 
 
 def _next_marks(seq: list, memory_curve, marks: list, index: dict, budget: int, *, one_per_run: bool,

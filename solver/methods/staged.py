@@ -40,7 +40,7 @@ log = logging.getLogger(__name__)
 MAX_CLOSURE = 400
 
 
-class _Plan:
+class StagedPlan:
     """The stages of ``order`` with their recomputations and memory (see the module)."""
 
     def __init__(self, ix: IndexedGraph, order: Sequence[int]):
@@ -74,7 +74,7 @@ class _Plan:
         self._room_of, self._room = None, {}
 
     @classmethod
-    def of_sequence(cls, ix: IndexedGraph, order: Sequence[int], sequence: Sequence[int]) -> "_Plan":
+    def of_sequence(cls, ix: IndexedGraph, order: Sequence[int], sequence: Sequence[int]) -> "StagedPlan":
         """The plan of ``sequence``, whose first runs follow ``order``: a repeat belongs to
         the stage of the next first run (one run per stage; repeats after the last first
         run, which nothing reads, are left out). A copy is held from its stage until its
@@ -299,12 +299,12 @@ def staged_sequence(
         return list(order)
     if ix.footprint_bound() > cap:
         return None
-    plan = _Plan(ix, order)
+    plan = StagedPlan(ix, order)
     return plan.sequence() if relieve(plan, cap, deadline=deadline, max_candidates=max_candidates,
                                       hold=hold) else None
 
 
-def relieve(plan: _Plan, cap, *, deadline: float | None = None, max_candidates: int = 8, hold: bool = True,
+def relieve(plan: StagedPlan, cap, *, deadline: float | None = None, max_candidates: int = 8, hold: bool = True,
             avoid: frozenset = frozenset(), rng=None, noise: float = 0.3) -> bool:
     """Add recomputations to ``plan`` until every stage fits ``cap`` (bytes, or bytes per
     stage); True when it does, False when no candidate lowers the stage most over it or

@@ -106,9 +106,9 @@ def test_block_dp_is_a_candidate_on_layered_training_graphs():
     from tests.solver.test_blocks import layered
     from solver.synthetic import budget_between
 
-    from solver.methods.auto import BLOCK_DP_MIN_REPEATS
+    from solver.methods.auto import _TUNING
 
-    g = layered(BLOCK_DP_MIN_REPEATS + 1, 3, seed=1)
+    g = layered(_TUNING.block_dp_min_repeats + 1, 3, seed=1)
     # (no gap tolerance: with 1 %, lp_eviction's bound closes the gap before it)
     s = solver.solve(g, budget_between(g, 0.6), time_limit=2, gap_tolerance=0.0)
     assert isinstance(s.info["auto"]["tried"]["block_dp"], float)
@@ -313,7 +313,7 @@ def test_past_stage_milps_size_its_first_round_runs_before_the_heuristics(monkey
     from solver.synthetic import budget_between
 
     module = importlib.import_module("solver.methods.auto")
-    monkeypatch.setattr(module, "STAGE_MILP_MAX_OPS", 10)
+    monkeypatch.setattr(module, "_TUNING", dataclasses.replace(module._TUNING, stage_milp_max_ops=10))
     calls = []
     for name in ("stage_milp", "lp_eviction"):
         info = registry.registered()[name]
@@ -329,7 +329,7 @@ def test_past_stage_milps_size_its_first_round_runs_before_the_heuristics(monkey
     names = [name for name, _ in calls]
     assert names.count("stage_milp") == 1 and names.index("stage_milp") < names.index("lp_eviction")
     kw = dict(calls)["stage_milp"]
-    assert kw["rounds"] == 1 and kw["time_limit"] <= module.STAGE_MILP_ONE_SHARE * 10
+    assert kw["rounds"] == 1 and kw["time_limit"] <= module._TUNING.stage_milp_one_share * 10
     r = solver.simulate(g, s)
     assert r.valid and r.peak_bytes <= budget
     tried = s.info["auto"]["tried"]
@@ -398,8 +398,9 @@ def test_a_limit_that_eviction_spends_still_ends_with_the_chain_familys_schedule
 
 
 def _large_chain_for_auto(monkeypatch):
-    """A 70-layer chain at 0.3x that ``auto`` treats as past BOUND_LIMITED_MAX_OPS ops,
-    and the modules to patch."""
+    """A 70-layer chain at 0.3x that ``auto`` treats as past its ``bound_limited_max_ops``
+    ops, and the modules to patch."""
+    import dataclasses
     import importlib
     import random
 
@@ -408,12 +409,12 @@ def _large_chain_for_auto(monkeypatch):
     auto = importlib.import_module("solver.methods.auto")
     rng = random.Random(2)
     g = training_chain(70, fwd_bytes=[rng.randint(1, 9) for _ in range(70)])
-    monkeypatch.setattr(auto, "BOUND_LIMITED_MAX_OPS", len(g.ops) - 1)
+    monkeypatch.setattr(auto, "_TUNING", dataclasses.replace(auto._TUNING, bound_limited_max_ops=len(g.ops) - 1))
     return g, budget_between(g, 0.3), importlib.import_module("solver.bounds"), importlib.import_module("solver.methods.lns")
 
 
 def test_on_a_large_graph_the_fixed_order_bound_runs_beside_the_search(monkeypatch):
-    # with a time limit, past BOUND_LIMITED_MAX_OPS ops, a winner that keeps the
+    # with a time limit, past bound_limited_max_ops ops, a winner that keeps the
     # reference order: the fixed-order bound runs in a thread of its own while the
     # search runs, and what it proves is the schedule's bound
     import threading
@@ -501,8 +502,9 @@ def test_the_search_beside_the_bound_stops_once_the_bound_closes_the_gap(monkeyp
 
 
 def test_a_large_graph_with_a_fixed_order_bound_leaves_the_time_of_the_free_order_one_to_the_search(monkeypatch):
-    # with a time limit, past BOUND_LIMITED_MAX_OPS ops, a winner that keeps the reference
+    # with a time limit, past bound_limited_max_ops ops, a winner that keeps the reference
     # order with stage_milp's bound known: the bound valid in any order is not computed
+    import dataclasses
     import importlib
     import random
 
@@ -522,9 +524,9 @@ def test_a_large_graph_with_a_fixed_order_bound_leaves_the_time_of_the_free_orde
     g = training_chain(70, fwd_bytes=[rng.randint(1, 9) for _ in range(70)])
     budget = budget_between(g, 0.3)
     scopes = {}
-    default = module.BOUND_LIMITED_MAX_OPS
+    default = module._TUNING.bound_limited_max_ops
     for limit in (default, len(g.ops) - 1):
-        monkeypatch.setattr(module, "BOUND_LIMITED_MAX_OPS", limit)
+        monkeypatch.setattr(module, "_TUNING", dataclasses.replace(module._TUNING, bound_limited_max_ops=limit))
         calls.clear()
         s = solver.solve(g, budget, method="auto", time_limit=3, gap_tolerance=0.0)
         r = solver.simulate(g, s)

@@ -217,8 +217,8 @@ def test_hierarchical_keeps_its_time_limit_when_the_coarse_solve_finds_nothing(m
 
 @pytest.mark.parametrize("n_forward", [55, 150, 600])
 def test_auto_keeps_its_time_limit(n_forward):
-    # 600: 1,200 ops, past STAGE_MILP_MAX_OPS, where auto keeps a tail of the limit for
-    # the winner's last steps and starts no step with under MIN_SLICE left (it ran 3.8 s)
+    # 600: 1,200 ops, past auto's stage_milp_max_ops, where it keeps a tail of the limit for
+    # the winner's last steps and starts no step with under min_slice left (it ran 3.8 s)
     g, budget = _graph(n_forward)
     out, elapsed = _timed(solve_auto, g, budget, time_limit=LIMIT)
     assert elapsed <= LIMIT + SLACK, f"auto took {elapsed:.2f} s for a limit of {LIMIT} s"

@@ -12,7 +12,7 @@ from solver.indexed import IndexedGraph
 from solver.methods.bruteforce import brute_force
 from solver.methods.eviction import eviction, min_memory_order
 from solver.methods.lns import improve_sequence, lns, lp_starts
-from solver.methods.staged import _Plan, relieve, staged_sequence
+from solver.methods.staged import StagedPlan, relieve, staged_sequence
 from solver.synthetic import budget_between, random_dag, random_training_graph, training_chain
 from tests.solver.test_staged import _first_runs
 
@@ -114,7 +114,7 @@ def test_a_plan_read_from_a_schedule_runs_it_again_at_no_more_than_its_memory(n,
         return
     ix = IndexedGraph.of(g)
     index = {v: i for i, v in enumerate(ix.ids)}
-    plan = _Plan.of_sequence(ix, range(ix.n), [index[v] for v in seq])
+    plan = StagedPlan.of_sequence(ix, range(ix.n), [index[v] for v in seq])
     again = [ix.ids[i] for i in plan.sequence()]
     r, r0 = solver.simulate(g, again), solver.simulate(g, seq)
     assert r.valid, r.error
