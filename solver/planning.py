@@ -294,7 +294,8 @@ def measure_blocks(model: nn.Module, args: tuple, kwargs: dict, *, cap: Captured
     from graphs.module_mode import measure_block_actions
     from solver.module_plan import DEFAULT_ACTIONS
 
-    if (request.dp is not None or request.measure_time is False or not cap.graph.capture_info.real
+    info = (cap.cut.cut if cap.cut is not None else cap.graph).capture_info
+    if (request.dp is not None or request.measure_time is False or not getattr(info, "real", False)
             or cap.store_all <= MEASURE_MARGIN * cap.budget):
         return cap
     blocks = layer_blocks(model, blocks=request.blocks)
@@ -343,20 +344,12 @@ def lowest_peak_sequence(cg: ComputeGraph, *, target: int | None = None) -> list
     ``target``, by eviction passes that do not stop early (quick ones first): which
     schedule measures a step does not depend on the machine's load, and a ``target``
     that the search once reached (the figure an :class:`InfeasibleBudget` named) is
-    reached again. Checkpointing every layer block
-    (:func:`solver.methods.blocks.per_block_schedule`) is taken where it peaks within
-    :data:`MEASURE_MARGIN` x ``target``, or lower than the search's schedule."""
+    reached again."""
     from solver.indexed import IndexedGraph
-    from solver.methods.blocks import per_block_schedule
     from solver.methods.minpeak import min_peak_sequence, smallest_feasible_peak
 
-    blocks = per_block_schedule(cg)
-    if blocks is not None and target is not None and blocks.peak_bytes <= MEASURE_MARGIN * target:
-        return list(blocks.sequence)
     ix = IndexedGraph.of(cg)
     found = smallest_feasible_peak(cg)[0]
-    if blocks is not None and blocks.peak_bytes <= found and (target is None or blocks.peak_bytes <= target):
-        return list(blocks.sequence)
     seq = None
     if target is not None:
         aims = [(int(MEASURE_MARGIN * target), True), (int(target), True), (int(target), False)]
