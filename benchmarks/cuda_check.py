@@ -15,6 +15,12 @@ stack of torch's ``TransformerEncoderLayer`` with dropout; HF GPT-2 with labels)
 * step time (CUDA events, median of 10 after 3 warm-ups) against the plain model and
   against non-reentrant ``torch.utils.checkpoint`` on every block.
 
+The peers section (``--peers``) measures, on each model of the zoo, per-block
+checkpointing and ``torch.utils.checkpoint`` with selective checkpointing
+(``create_selective_checkpoint_contexts`` saving the matmuls) on every block, and plans
+remat in both modes for exactly each peer's allocator peak: whether it refuses a budget
+a peer meets, whether its real steps fit, and its step time beside the peer's.
+
 The drop-in section (``--dropin``) trains the GPT (SDPA with ``dropout_p`` and
 ``nn.Dropout``), the ``TransformerEncoderLayer`` stack (its attention's dropout and
 fused dropout) and HF GPT-2 (attention, residual and embedding dropout) two steps, seeded
@@ -27,6 +33,7 @@ Usage::
     python benchmarks/cuda_check.py              # the whole zoo (minutes on one GPU)
     python benchmarks/cuda_check.py --quick      # one model, 0.5 only
     python benchmarks/cuda_check.py --dropin     # the drop-in section, then the zoo
+    python benchmarks/cuda_check.py --peers --no-zoo   # remat at its peers' peaks alone
     python benchmarks/cuda_check.py --device cpu --tiny --dropin   # a dry run of the script
 
 Prints a table and writes ``benchmarks/results/cuda_check.{json,md}`` (the JSON after
@@ -184,17 +191,77 @@ def _time(model, inputs, loss_of, device: str, *, warmup: int = 3, repeats: int 
     return statistics.median(times)
 
 
-def _per_block_checkpoint(model: nn.Module) -> nn.Module:
+def _per_block_checkpoint(model: nn.Module, *, context_fn=None) -> nn.Module:
+    """A copy of ``model`` with non-reentrant ``torch.utils.checkpoint`` around every layer
+    block (:func:`graphs.module_mode.layer_blocks`), with ``context_fn`` where given."""
     from torch.utils.checkpoint import checkpoint
 
     from graphs.module_mode import layer_blocks
 
+    extra = {} if context_fn is None else {"context_fn": context_fn}
     wrapped = copy.deepcopy(model)
     for name in layer_blocks(wrapped):
         block = wrapped.get_submodule(name)
         forward = block.forward
-        block.forward = lambda *a, _f=forward, **k: checkpoint(_f, *a, use_reentrant=False, **k)
+        block.forward = lambda *a, _f=forward, **k: checkpoint(_f, *a, use_reentrant=False, **extra, **k)
     return wrapped
+
+
+def _matmul_ops() -> list:
+    aten = torch.ops.aten
+    return [aten.mm.default, aten.addmm.default, aten.bmm.default, aten.baddbmm.default]
+
+
+def _sac_checkpoint(model: nn.Module) -> nn.Module:
+    """A copy of ``model`` with torch's selective activation checkpointing on every layer
+    block: non-reentrant ``checkpoint`` whose ``context_fn`` is
+    ``create_selective_checkpoint_contexts`` saving the matmuls' outputs (the rest of each
+    block is recomputed)."""
+    import functools
+
+    from torch.utils.checkpoint import create_selective_checkpoint_contexts
+
+    return _per_block_checkpoint(model, context_fn=functools.partial(create_selective_checkpoint_contexts,
+                                                                     _matmul_ops()))
+
+
+#: the peers remat is compared with at their own allocator peak (``--peers``)
+PEERS = {"per_block": _per_block_checkpoint, "sac_matmuls": _sac_checkpoint}
+
+
+def run_peers(name: str, make, device: str) -> dict:
+    """Each peer (:data:`PEERS`) measured (allocator peak, step time), then remat in both
+    modes planned for exactly that peak: whether it plans, whether its real steps fit,
+    and its step time beside the peer's."""
+    import solver
+    from graphs.units import GiB
+
+    model, inputs, loss_of = _made(make, device)
+    base = copy.deepcopy(model)
+    row = {"model": name, "plain_peak_bytes": _peak(base, inputs, loss_of, device),
+           "plain_ms": _time(base, inputs, loss_of, device)}
+    for peer, wrap in PEERS.items():
+        other = wrap(base)
+        budget = _peak(other, inputs, loss_of, device)
+        row[f"{peer}_peak_bytes"], row[f"{peer}_ms"] = budget, _time(other, inputs, loss_of, device)
+        del other
+        for mode in MODES:
+            key = f"{peer}_{mode}"
+            try:
+                fast = solver.optimize(copy.deepcopy(base), budget / GiB, inputs, mode=mode, loss_fn=loss_of)
+            except solver.InfeasibleBudget as exc:
+                row[key] = {"status": "refused", "smallest_feasible_bytes": exc.smallest_feasible_bytes}
+                continue
+            except Exception as exc:  # a failure is a finding: record it and go on
+                row[key] = {"status": f"error: {type(exc).__name__}: {str(exc).splitlines()[0][:200]}"}
+                continue
+            steps = [_peak(fast, inputs, loss_of, device) for _ in range(2)]
+            row[key] = {"status": "ok", "used_mode": fast.report.mode, "predicted_peak_bytes":
+                        fast.report.predicted_peak_bytes, "step_peak_bytes": max(steps),
+                        "fits": max(steps) <= budget, "ms": _time(fast, inputs, loss_of, device)}
+            del fast
+    row["status"] = "ok"
+    return row
 
 
 def _made(make, device: str):
@@ -328,6 +395,29 @@ def table(rows: list[dict]) -> str:
     return "\n".join(lines)
 
 
+def peers_table(rows: list[dict]) -> str:
+    lines = ["| model | peer | peer MiB | peer time | remat graph: fits, time | remat module: fits, time |",
+             "|---|---|---|---|---|---|"]
+    for r in rows:
+        if r["status"] != "ok":
+            lines.append(f"| {r['model']} | {r['status']} | | | | |")
+            continue
+        for peer in PEERS:
+            cells = []
+            for mode in MODES:
+                c = r[f"{peer}_{mode}"]
+                if c["status"] == "ok":
+                    cells.append(f"{'yes' if c['fits'] else 'NO'} {_mib(c['step_peak_bytes'])}, "
+                                 f"{c['ms'] / r['plain_ms']:.2f}x")
+                elif c["status"] == "refused":
+                    cells.append(f"REFUSED ({_mib(c['smallest_feasible_bytes'])} named)")
+                else:
+                    cells.append(c["status"])
+            lines.append(f"| {r['model']} | {peer} | {_mib(r[f'{peer}_peak_bytes'])} | "
+                         f"{r[f'{peer}_ms'] / r['plain_ms']:.2f}x | {cells[0]} | {cells[1]} |")
+    return "\n".join(lines)
+
+
 def dropin_table(rows: list[dict]) -> str:
     lines = ["| model | autocast | mode | budget | plan | same draws | loss and grads vs the original | "
              "two runs of the original |", "|---|---|---|---|---|---|---|---|"]
@@ -349,8 +439,11 @@ def dropin_table(rows: list[dict]) -> str:
     return "\n".join(lines)
 
 
-def _write(out: str, header: str, dropin: list, rows: list) -> str:
+def _write(out: str, header: str, dropin: list, rows: list, peers: list = ()) -> str:
     md = header
+    if peers:
+        md += ("\n\nPeers at equal memory: remat planned for each peer's allocator peak (times against the "
+               "plain step)\n\n") + peers_table(list(peers))
     if dropin:
         md += ("\n\nDrop-in: two training steps seeded alike, at 0.5 of the plain step (or at the smallest "
                "feasible budget, 1 % over, where 0.5 is not)\n\n") + dropin_table(dropin)
@@ -358,7 +451,8 @@ def _write(out: str, header: str, dropin: list, rows: list) -> str:
         md += "\n\nMemory: the allocator's peak of the real step (MiB) against the budget\n\n" + table(rows)
     os.makedirs(os.path.dirname(out) or ".", exist_ok=True)
     with open(out + ".json", "w") as f:
-        json.dump({"header": header, "torch": torch.__version__, "dropin": dropin, "rows": rows}, f, indent=1)
+        json.dump({"header": header, "torch": torch.__version__, "dropin": dropin, "rows": rows,
+                   "peers": list(peers)}, f, indent=1)
     with open(out + ".md", "w") as f:
         f.write(md + "\n")
     return md
@@ -370,6 +464,8 @@ def main(argv=None) -> int:
     parser.add_argument("--models", default=None, help="comma-separated subset of the zoo")
     parser.add_argument("--dropin", action="store_true", help="run the drop-in section first")
     parser.add_argument("--no-zoo", action="store_true", help="the drop-in section alone")
+    parser.add_argument("--peers", action="store_true",
+                        help="first, remat at the allocator peak of per-block checkpointing and of SAC")
     parser.add_argument("--device", default="cuda", help="cuda (default); cpu for a dry run of the script")
     parser.add_argument("--tiny", action="store_true", help="small shapes, for a dry run")
     parser.add_argument("--deadline", type=float, default=None,
@@ -401,14 +497,19 @@ def main(argv=None) -> int:
             torch.cuda.empty_cache()
         return row
 
-    dropin, rows = [], []
+    dropin, rows, peers = [], [], []
+    if args.peers:
+        zoo = _zoo(args.tiny)
+        for name in (args.models.split(",") if args.models else list(zoo)):
+            peers.append(one(run_peers, name, zoo[name], args.device, keys={"model": name}))
+            _write(args.out, header, dropin, rows, peers)
     if args.dropin:
         zoo = _dropin_zoo(args.tiny)
         cases = [(n, m, None) for n in zoo for m in MODES] + [("gpt_sdpa_dropout", m, "bf16") for m in MODES]
         for name, mode, amp in cases:
             dropin.append(one(run_dropin, name, zoo[name], mode, amp, args.device,
                               keys={"model": name, "mode": mode, "autocast": amp or "off"}))
-            _write(args.out, header, dropin, rows)
+            _write(args.out, header, dropin, rows, peers)
     if not args.no_zoo:
         zoo = _zoo(args.tiny)
         names = args.models.split(",") if args.models else (["encoder"] if args.quick else list(zoo))
@@ -418,8 +519,8 @@ def main(argv=None) -> int:
                 for mode in MODES:
                     rows.append(one(run_case, name, zoo[name], frac, mode, args.device,
                                     keys={"model": name, "fraction": frac, "mode": mode}))
-                    _write(args.out, header, dropin, rows)
-    print(_write(args.out, header, dropin, rows))
+                    _write(args.out, header, dropin, rows, peers)
+    print(_write(args.out, header, dropin, rows, peers))
     return 0
 
 

@@ -9,10 +9,10 @@ mode="module")`` at ``--fraction`` (default 0.7) of the plain step's allocator p
 * process CPU time of one training step (forward, loss, backward) on one thread, the
   median of ``--repeats`` after ``--warmup`` steps, the variants taking turns so that a
   change in the machine's load touches all of them alike;
-* module mode's plan (an action per block) and the seconds it took, priced from the
-  graph alone and priced with one block's measured seconds under each action
-  (:func:`graphs.module_mode.measure_block_actions` handed to
-  :func:`solver.module_plan.plan_modules` as ``measured=``).
+* module mode's plan (an action per block) and the seconds it took, as ``optimize``
+  plans it (priced with one block's measured seconds under each action:
+  :func:`solver.planning.measure_blocks`) and priced from the graph alone (that
+  measurement left out), with the seconds the measurement took.
 
 Usage::
 
@@ -103,10 +103,10 @@ def run(name: str, make, *, fraction: float, warmup: int, repeats: int) -> dict:
     row = {"model": name, "fraction": fraction, "budget_bytes": budget, "plain_peak_bytes": plain_peak,
            "per_block_peak_bytes": _peak(per_block, inputs)}
     variants = {"plain": plain, "per_block": per_block}
-    for variant, measured in (("module", None), ("module_measured", _measured(model, inputs))):
+    for variant, measuring in (("module_graph_priced", False), ("module", True)):
         t0 = time.perf_counter()
         try:
-            with _priced(measured):
+            with _block_seconds(measuring) as spent:
                 fast = solver.optimize(copy.deepcopy(model), budget / GiB, inputs, mode="module")
                 _step(fast, inputs)  # plans on its first step
             fast.zero_grad(set_to_none=True)
@@ -114,51 +114,50 @@ def run(name: str, make, *, fraction: float, warmup: int, repeats: int) -> dict:
             row.update(status="infeasible", smallest_feasible_bytes=exc.smallest_feasible_bytes)
             return row
         rep = fast.report
+        if measuring:
+            row["measure_blocks_seconds"] = sum(spent)
+            row["measured_block_seconds"] = rep.schedule.info.get("measured")
         row.update({f"{variant}_plan_seconds": time.perf_counter() - t0,
                     f"{variant}_peak_bytes": _peak(fast, inputs),
                     f"{variant}_predicted_peak_bytes": rep.predicted_peak_bytes,
                     f"{variant}_actions": dict(getattr(fast.remat_steps[next(iter(fast.remat_steps))], "actions",
                                                        {}) or {})})
         variants[variant] = fast
-    row["status"], row["measured_block_seconds"] = "planned", _measured(model, inputs)
+    row["status"] = "planned"
     times = _times(variants, inputs, warmup=warmup, repeats=repeats)
     row.update({f"{k}_seconds": v for k, v in times.items()})
-    for variant in ("module", "module_measured"):
+    for variant in ("module", "module_graph_priced"):
         row[f"{variant}_vs_per_block"] = times[variant] / times["per_block"]
     return row
 
 
-_MEASURED: dict = {}
+class _block_seconds:
+    """Inside, planning measures one block under each action as ``optimize`` does
+    (``measuring``; the seconds each measurement took are appended to the list the
+    block yields), or not at all (plans priced from the graph alone)."""
 
+    def __init__(self, measuring: bool) -> None:
+        self.measuring, self.spent = measuring, []
 
-def _measured(model: nn.Module, inputs: dict) -> dict:
-    """Seconds of one middle block under each action (:func:`measure_block_actions`)."""
-    from graphs.module_mode import layer_blocks, measure_block_actions
-
-    key = id(model)
-    if key not in _MEASURED:
-        blocks = layer_blocks(model)
-        _MEASURED[key] = measure_block_actions(model, (), inputs, block=blocks[len(blocks) // 2],
-                                               actions=("none", "full", "save_matmuls"), repeats=5)
-    return _MEASURED[key]
-
-
-class _priced:
-    """Module mode's plans priced with ``measured`` block seconds (``plan_modules``'s
-    ``measured=``) for the length of the block; nothing with None."""
-
-    def __init__(self, measured: dict | None) -> None:
-        self.measured = measured
-
-    def __enter__(self):
+    def __enter__(self) -> list:
         import solver.planning as planning
 
-        self.planning, self.real = planning, planning.plan_modules
-        if self.measured is not None:
-            planning.plan_modules = lambda *a, **k: self.real(*a, measured=self.measured, **k)
+        self.planning, self.real = planning, planning.measure_blocks
 
-    def __exit__(self, *exc):
-        self.planning.plan_modules = self.real
+        def timed(*a, **k):
+            if not self.measuring:
+                return k["cap"]
+            t0 = time.perf_counter()
+            try:
+                return self.real(*a, **k)
+            finally:
+                self.spent.append(time.perf_counter() - t0)
+
+        planning.measure_blocks = timed
+        return self.spent
+
+    def __exit__(self, *exc) -> None:
+        self.planning.measure_blocks = self.real
 
 
 def main(argv=None) -> None:
@@ -176,17 +175,17 @@ def main(argv=None) -> None:
         rows.append(row)
         print(json.dumps(row), flush=True)
     mib = 2**20
-    head = "".join(f"{k:>16}" for k in ("plain", "per-block", "module", "module+measured"))
-    print(f"\n{'model':<14} {'budget':>8} {head}   module/per-block  (+measured)  plans")
+    head = "".join(f"{k:>16}" for k in ("plain", "per-block", "module", "graph-priced"))
+    print(f"\n{'model':<14} {'budget':>8} {head}   module/per-block  (graph-priced)  plans")
     for r in rows:
         if r["status"] != "planned":
             print(f"{r['model']:<14} {r['budget_bytes'] / mib:7.1f}M  {r['status']}")
             continue
         cells = "".join(f"{r[k + '_peak_bytes'] / mib:7.1f}M {r[k + '_seconds']:6.3f}s"
-                        for k in ("plain", "per_block", "module", "module_measured"))
-        plans = " | ".join(",".join(r[f"{v}_actions"].values()) for v in ("module", "module_measured"))
+                        for k in ("plain", "per_block", "module", "module_graph_priced"))
+        plans = " | ".join(",".join(r[f"{v}_actions"].values()) for v in ("module", "module_graph_priced"))
         print(f"{r['model']:<14} {r['budget_bytes'] / mib:7.1f}M {cells}   {r['module_vs_per_block']:10.3f}x "
-              f"{r['module_measured_vs_per_block']:10.3f}x  {plans}")
+              f"{r['module_graph_priced_vs_per_block']:10.3f}x  {plans}")
     os.makedirs(os.path.dirname(args.out), exist_ok=True)
     with open(args.out, "w") as f:
         json.dump({"fraction": args.fraction, "threads": 1, "clock": "process CPU time, median",

@@ -233,8 +233,11 @@ class BlockIndex:
                 chunks.append((r, np.array(seq, dtype=np.int64)))
         edges = _sac_edges(self.graph, {block: action}, self.graph.ops, index=self)
         later = [c for t, c in chunks if t > fb]
+        if later:
+            together = _projections_together(self.graph, [sim.ids[i] for i in np.concatenate(later)])
+            later = [np.array([num[v] for v in together], dtype=np.int64)]
         pieces = ([c for t, c in chunks if t == fb],
-                  (next(t for t, _ in chunks if t > fb), np.concatenate(later)) if later else None,
+                  (next(t for t, _ in chunks if t > fb), later[0]) if later else None,
                   (np.array([num[u] for u, _ in edges], dtype=np.int64),
                    np.array([num[v] for _, v in edges], dtype=np.int64)) if edges else None)
         self._piece[key] = pieces
@@ -580,7 +583,7 @@ def checkpoint_sequence(graph: ComputeGraph, sequence: Sequence[Hashable], actio
         pos = [i for i, v in enumerate(out) if i > first_bwd and v in fwd]
         if len(pos) < 2:
             continue
-        moved = [out[i] for i in pos]
+        moved = _projections_together(graph, [out[i] for i in pos])
         drop = set(pos)
         rest = [v for i, v in enumerate(out) if i not in drop]
         out = rest[: pos[0]] + moved + rest[pos[0]:]
@@ -612,8 +615,44 @@ def _gather_recomputations(out: list, first_bwd: int, actions: Mapping[str, str]
             result.append(v)
         elif b not in gathered:
             gathered.add(b)
-            result.extend(steps[b])
+            result.extend(_projections_together(index.graph, steps[b]))
     return result
+
+
+def _projections_together(graph: ComputeGraph, steps: list) -> list:
+    """``steps`` (one block's recomputation, as its forward runs it again) with the
+    projections of a multi-output op (node attribute ``group``) computed together, at
+    the first of them: the block's forward runs the op once and gets them all (a
+    ``native_dropout``'s result and mask), where apart the simulator would charge a run
+    of the op for each. A projection that appears more than once stays where it is.
+
+    Examples
+    --------
+    >>> g = ComputeGraph()
+    >>> g.add_node("x", bytes=1); g.add_node("p0", bytes=1, group="t", group_index=0)
+    >>> g.add_node("y", bytes=1); g.add_node("p1", bytes=1, group="t", group_index=1)
+    >>> _projections_together(g, ["x", "p0", "y", "p1"])
+    ['x', 'p0', 'p1', 'y']
+    """
+    nodes = graph.nx.nodes
+    count: dict = {}
+    for v in steps:
+        count[v] = count.get(v, 0) + 1
+    groups: dict = {}
+    for v in steps:
+        grp = nodes[v].get("group")
+        if grp is not None and count[v] == 1:
+            groups.setdefault(grp, []).append(v)
+    follow = {vs[0]: vs[1:] for vs in groups.values() if len(vs) > 1}
+    if not follow:
+        return steps
+    later = {v for vs in follow.values() for v in vs}
+    out: list = []
+    for v in steps:
+        if v not in later:
+            out.append(v)
+            out.extend(follow.get(v, ()))
+    return out
 
 
 def _offloads(graph: ComputeGraph, sequence: list, blocks: Sequence[str]) -> list:

@@ -184,10 +184,12 @@ def optimize(
     watch : {"auto", "first", "every", "off"}
         When the returned module measures its real training step by the allocator, from
         its forward to the end of its backward, the loss included (one process):
-        ``"auto"``, every step on an accelerator (its peak statistics cost nothing) and
-        the first step of each plan on CPU (the profiler's allocation events); a step
-        over the budget makes the next call plan again with the excess held back, with
-        a warning and a report note (``report.step_peak_bytes``).
+        ``"auto"`` and ``"first"``, the first step of each plan (on CPU by the
+        profiler's allocation events; on an accelerator by the allocator's own
+        counters, without a synchronization or a reset of the peak statistics);
+        ``"every"``, every step; ``"off"``, none. A step over the budget makes the next
+        call plan again with the excess held back, with a warning and a report note
+        (``report.step_peak_bytes``); the steps that are not measured run the plan alone.
 
     Returns
     -------

@@ -31,7 +31,7 @@ from solver.checks import PlanningInputs, Session, fit_measured, measured_peak, 
 from solver.errors import SolverError
 from solver.fixed import SEED_RESERVE, untracked_bytes
 from solver.module_plan import hold_node_inputs, plan_modules
-from solver.solving import checked_budget, solve
+from solver.solving import checked_budget, reached_floor, solve
 from solver.report import Report
 from solver.schedule import Schedule
 from solver.simulate import simulate
@@ -83,6 +83,7 @@ class Captured:
     measure_seconds: float = 0.0  # measuring op times and workspaces (measure_within)
     measured_with: tuple | None = None  # the schedule the measuring run ran
     cut: Any = None  # graphs.repeated.CutCapture: ``graph`` was written from a capture of four layers
+    block_seconds: dict | None = None  # module mode: one block's seconds under each action (measure_blocks)
 
 
 def plan_step(model: nn.Module, args: tuple, kwargs: dict, *, request: Request, session: Session,
@@ -138,13 +139,26 @@ def _plan_step(model: nn.Module, args: tuple, kwargs: dict, *, request: Request,
     t0 = time.perf_counter()
     cap = measure_within(capture_step(model, args, kwargs, request=request), request=request, held_back=held_back)
     session.saw(cap.planning_peak)
+    if request.mode == "module":
+        cap = measure_blocks(model, args, kwargs, cap=cap, request=request)
     if request.mode == "graph":
         def make(margin: int) -> Any:
             return plan_graph_checked(model, args, kwargs, cap=cap, request=request, session=session, margin=margin,
                                       hooked=hooked)
     else:
+        planned: list[int] = []  # the margins plans were made for
+
         def make(margin: int) -> Any:
-            return plan_module(model, cap=cap, request=request, session=session, margin=margin)
+            # a plan again for a larger margin: a step of the last measured over its
+            # prediction; only the actions whose memory is predicted exactly are left
+            exact = bool(planned) and margin > max(planned)
+            step = plan_module(model, cap=cap, request=request, session=session, margin=margin,
+                               actions=EXACT_ACTIONS if exact else None)
+            planned.append(margin)
+            if exact:
+                session.report.notes.append("a step of a plan with selective checkpointing measured over its "
+                                            "prediction: the plan checkpoints whole blocks or none")
+            return step
     if request.dp is not None:  # a step runs collectives: verify() measures it on every rank
         step = make(0)
         request.dp.annotate(session.report)
@@ -174,13 +188,13 @@ def capture_step(model: nn.Module, args: tuple, kwargs: dict, *, request: Reques
     options = dict(example_kwargs=kwargs, backward="outputs", measure_time=False, measure_workspace=False,
                    inplace="functional" if request.mode == "graph" else "alias")
     cut = None
+    blocks = layer_blocks(model, blocks=request.blocks)
     if request.mode == "module" and request.dp is None:
         # a layer plan is priced on the DAG alone: alike middle layers are captured once
-        cut = capture_cut(model, args, blocks=request.blocks or layer_blocks(model), capture=capture, **options)
+        cut = capture_cut(model, args, blocks=blocks, capture=capture, **options)
     elif request.dp is None and request.compiler == "eager":
         # graph mode runs the joint graph written from a capture of four alike layers
-        cut = capture_cut(model, args, blocks=request.blocks or layer_blocks(model), capture=capture,
-                          runnable=True, **options)
+        cut = capture_cut(model, args, blocks=blocks, capture=capture, runnable=True, **options)
     try:
         cg = cut.whole if cut is not None else capture(model, args, **options)
     except CaptureError as exc:
@@ -188,6 +202,9 @@ def capture_step(model: nn.Module, args: tuple, kwargs: dict, *, request: Reques
             raise CaptureError(f"{exc} (graph mode needs one graph of the step; mode='module' "
                                "plans at layer level instead)") from exc
         raise
+    # the model's layers: checkpointing each is a schedule every plan is measured against
+    # (solver.methods.blocks.per_block_schedule: auto's start, the smallest-feasible floor)
+    cg.meta["layer_blocks"] = list(blocks)
     charge(cg, optimizer=request.optimizer_bytes, seed=SEED_RESERVE)
     if request.loss_fn is not None:
         charge_loss(cg, request.loss_fn, outputs_of=cut.cut if cut is not None else None)
@@ -250,6 +267,44 @@ def measure_within(cap: Captured, *, request: Request, held_back: int = 0) -> Ca
     return replace(cap, store_all=simulate(cg, cg.order).peak_bytes, measure_seconds=time.perf_counter() - t0,
                    planning_peak=max(judged) if judged else None,
                    measured_with=tuple(sequence) if cap.cut is None else None, solve_start=time.perf_counter())
+
+
+def measure_blocks(model: nn.Module, args: tuple, kwargs: dict, *, cap: Captured, request: Request) -> Captured:
+    """``cap`` with the seconds of one forward and backward of the model's middle layer
+    block under each of module mode's actions
+    (:func:`graphs.module_mode.measure_block_actions`), which
+    :func:`solver.module_plan.plan_modules` prices its selective plans from: what torch's
+    selective-checkpoint dispatch costs on this machine, which the graph's op times
+    leave out. Measured only where a plan is needed (the plain step's estimate is over
+    :data:`MEASURE_MARGIN` of the budget), on real tensors, when op times are measured
+    (``measure_time`` not False), without data parallelism, and where the model has two
+    blocks or more; else ``cap`` as it is. One block's runs: about a step's time of
+    a model of a few layers, less for more."""
+    from dataclasses import replace
+
+    from graphs.module_mode import measure_block_actions
+    from solver.module_plan import DEFAULT_ACTIONS
+
+    info = (cap.cut.cut if cap.cut is not None else cap.graph).capture_info
+    if (request.dp is not None or request.measure_time is False or not getattr(info, "real", False)
+            or cap.store_all <= MEASURE_MARGIN * cap.budget):
+        return cap
+    blocks = layer_blocks(model, blocks=request.blocks)
+    if len(blocks) < 2:
+        return cap
+    t0 = time.perf_counter()
+    try:
+        seconds = measure_block_actions(model, args, kwargs, block=blocks[len(blocks) // 2],
+                                        actions=DEFAULT_ACTIONS, repeats=BLOCK_REPEATS, warmup=1)
+    except RematError as exc:  # a block that does not run in the forward: priced from the graph alone
+        log.info("module mode priced from the graph alone: %s", exc)
+        return cap
+    return replace(cap, block_seconds=seconds, measure_seconds=cap.measure_seconds + time.perf_counter() - t0,
+                   solve_start=time.perf_counter())
+
+
+#: runs of one block per action that :func:`measure_blocks` takes the median of
+BLOCK_REPEATS = 3
 
 
 #: module mode plans this fraction of the budget below it, so that the step that checks
@@ -407,6 +462,7 @@ def plan_graph_checked(model: nn.Module, args: tuple, kwargs: dict, *, cap: Capt
         module_cap = measure_within(capture_step(model, args, kwargs, request=module_request),  # in-place: aliases
                                     request=module_request, held_back=margin)
         session.saw(module_cap.planning_peak)
+        module_cap = measure_blocks(model, args, kwargs, cap=module_cap, request=module_request)
         step = plan_module(model, cap=module_cap, request=module_request, session=session, margin=margin)
         session.report.notes.append(f"planned in module mode: {why} (mode='graph' raises instead)")
         return step
@@ -508,7 +564,8 @@ def _graph_report(*, cap: Captured, schedule: Schedule, store_all: int, solve_se
     from solver.methods.minpeak import smallest_feasible_peak
 
     cg = cap.graph
-    low = smallest_feasible_peak(cg)[0]
+    # the search is timed; the plain step and checkpointing every block are reached whatever the time
+    low = min(smallest_feasible_peak(cg)[0], reached_floor(cg))
     return Report(
         mode="graph", method=schedule.method, budget_bytes=cap.budget, predicted_peak_bytes=schedule.peak_bytes,
         store_all_peak_bytes=store_all,
@@ -587,8 +644,20 @@ class EagerStep:
 
 # ---------------------------------------------------------------- module mode
 
-def plan_module(model: nn.Module, *, cap: Captured, request: Request, session: Session, margin: int = 0) -> ModuleStep:
-    """Module mode's plan for ``cap.budget - margin``: an action per layer block."""
+#: module mode's actions whose memory the plan predicts within about 1 %: a block run as
+#: it is, or checkpointed whole (``torch.utils.checkpoint``). What a selective policy
+#: saves depends on how torch dispatches the block's ops (measured on a small
+#: torchvision-style ViT, every encoder layer saving its matmuls: predicted 302 KiB,
+#: 350 KiB by the allocator, the plain step's peak).
+EXACT_ACTIONS = ("none", "full")
+
+
+def plan_module(model: nn.Module, *, cap: Captured, request: Request, session: Session, margin: int = 0,
+                actions: tuple[str, ...] | None = None) -> ModuleStep:
+    """Module mode's plan for ``cap.budget - margin``: an action per layer block, among
+    ``actions`` (default :data:`solver.module_plan.DEFAULT_ACTIONS`)."""
+    from solver.module_plan import DEFAULT_ACTIONS
+
     names = request.blocks or layer_blocks(model)
     dp = request.dp
     budget, store_all = cap.budget, cap.store_all
@@ -601,7 +670,8 @@ def plan_module(model: nn.Module, *, cap: Captured, request: Request, session: S
     else:
         # no check_budget here: the graph's smallest peak is not a layer plan's, and
         # plan_modules names the smallest layer plan when none fits
-        mp = plan_modules(cap.graph, budget - margin, blocks=names, time_limit=request.time_limit)
+        mp = plan_modules(cap.graph, budget - margin, blocks=names, time_limit=request.time_limit,
+                          measured=cap.block_seconds, actions=actions or DEFAULT_ACTIONS)
         sched = mp.schedule
         cg = mp.graph  # random ops inside the blocks are recomputed there (RNG state restored)
         predicted = simulate(cg, sched).peak_bytes
