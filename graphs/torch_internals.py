@@ -660,3 +660,23 @@ def custom_functions_called(model: torch.nn.Module, found: list) -> Iterator[Non
         yield
     finally:
         handle.remove()
+
+
+__all__ += ["lazy_copy", "is_lazy_copy"]
+
+
+def lazy_copy(t: torch.Tensor) -> torch.Tensor:
+    """A copy of ``t`` that shares its memory until one of the two is written
+    (copy-on-write); a plain clone where torch has no lazy clone for it."""
+    try:
+        return torch._lazy_clone(t)
+    except (AttributeError, RuntimeError, NotImplementedError):
+        return t.clone()
+
+
+def is_lazy_copy(t: torch.Tensor) -> bool:
+    """Whether ``t`` still shares its memory copy-on-write (:func:`lazy_copy`)."""
+    try:
+        return bool(torch._C._is_cow_tensor(t))
+    except (AttributeError, RuntimeError):
+        return False

@@ -80,9 +80,10 @@ def counter(tmp_path_factory) -> Path:
     return lib
 
 
-def _optimize_counted(counter: Path, name: str, frac: float) -> dict:
+def _optimize_counted(counter: Path, name: str, frac: float, *, child: str = CHILD) -> dict:
+    """The row that ``child`` prints, run with the counter preloaded on ``name`` at ``frac``."""
     env = dict(os.environ, LD_PRELOAD=str(counter), PYTHONPATH=str(ROOT))
-    done = subprocess.run([sys.executable, "-c", CHILD, name, str(frac)], env=env, cwd=ROOT, capture_output=True,
+    done = subprocess.run([sys.executable, "-c", child, name, str(frac)], env=env, cwd=ROOT, capture_output=True,
                           text=True, timeout=600)
     rows = [line[4:] for line in done.stdout.splitlines() if line.startswith("ROW ")]
     assert done.returncode == 0 and rows, done.stderr[-3000:]
