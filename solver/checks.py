@@ -351,8 +351,8 @@ class Reproduction:
     peak_bytes : int or None
         The step's peak by the allocator (None for meta or fake inputs).
     reference_peak_bytes : int or None
-        The reference's peak by the allocator, the step's gradients held until the
-        reference's own replace them (see :func:`reproduces`).
+        The reference's peak by the allocator, the prints of the step's gradients
+        held beside it (see :func:`reproduces`).
     forward_peak_bytes : int or None
         The peak of the model's forward without autograd that checks the loss (with
         ``reference`` only).
@@ -378,7 +378,7 @@ def reproduces(model: nn.Module, step: Callable, args: tuple, kwargs: dict, *,
     No copy of the gradients is held from one run to the next: the step's gradient of
     each parameter is kept as a :class:`GradientPrint` (a sixteenth of it, or whole for a
     small one) and dropped, and the reference's gradient of that parameter is compared
-    with it as backward produces it."""
+    with it as backward produces it, and dropped: the reference holds no gradients."""
     if not_real(args, kwargs):
         return Reproduction(True)  # nothing real to run
     loss_fn = loss_fn or default_loss
@@ -388,11 +388,11 @@ def reproduces(model: nn.Module, step: Callable, args: tuple, kwargs: dict, *,
     prints: dict[int, GradientPrint | None] = {}
     differ: list[int] = []
 
-    def compare(i: int, grad: torch.Tensor) -> torch.Tensor:
+    def compare(i: int, p: torch.Tensor) -> None:
         found = prints.pop(i, None)
-        if found is None or not found.matches(grad, compiled=compiled):
+        if found is None or not found.matches(p.grad, compiled=compiled):
             differ.append(i)
-        return grad
+        p.grad = None  # compared: the reference holds no gradient
 
     def run(fn: Callable, held: list) -> tuple[torch.Tensor, int | None]:
         with buffers_kept(model) as copies:
@@ -412,7 +412,7 @@ def reproduces(model: nn.Module, step: Callable, args: tuple, kwargs: dict, *,
             if p.grad is not None:
                 prints[i] = GradientPrint(p.grad, seed=i)
             p.grad = None
-        hooks = [p.register_hook(functools.partial(compare, i)) for i, p in enumerate(params)]
+        hooks = [p.register_post_accumulate_grad_hook(functools.partial(compare, i)) for i, p in enumerate(params)]
         try:
             kept = [t for found in prints.values() for t in (found.whole, found.sums) if t is not None]
             lb, reference_peak = run(reference or reference_step(model), held + kept + [la])

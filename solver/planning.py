@@ -362,8 +362,8 @@ def gradient_reference(model: nn.Module, cap: Captured) -> tuple[Callable | None
         return None, None
     return reference_step(model, offload=True), (
         f"the gradient check compared the plan with the model's own step, with the tensors it saves for backward "
-        f"kept on disk: the model with its blocks checkpointed is predicted at {format_bytes(need)}, too close to "
-        f"the budget")
+        f"kept on disk: the model with its blocks checkpointed is predicted at {format_bytes(need)}, "
+        f"{'over' if need > cap.budget else f'within {REFERENCE_MARGIN:.0%} of'} the budget")
 
 
 def loss_note(report: Report, cg: ComputeGraph, *, loss_fn: Callable[[Any], Any] | None) -> None:
