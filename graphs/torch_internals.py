@@ -655,10 +655,22 @@ def custom_functions_called(model: torch.nn.Module, found: list) -> Iterator[Non
                     found.append(cls)
             todo.extend(nxt for nxt, _ in fn.next_functions)
 
+    # a reentrant checkpoint (torch's own Function) is found where it runs: without an
+    # input that requires a gradient its output has no autograd graph to find it in
+    reentrant = torch.utils.checkpoint.CheckpointFunction
+    forward = reentrant.__dict__["forward"]
+
+    def called(*args: Any, **kwargs: Any) -> Any:
+        if reentrant not in found:
+            found.append(reentrant)
+        return forward.__func__(*args, **kwargs)
+
     handle = torch.nn.modules.module.register_module_forward_hook(look)
+    reentrant.forward = staticmethod(called)
     try:
         yield
     finally:
+        reentrant.forward = forward
         handle.remove()
 
 
