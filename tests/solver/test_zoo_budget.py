@@ -43,7 +43,8 @@ def hf(name):
                                                        num_key_value_heads=2, use_cache=False, **small))
         else:
             model = tr.T5ForConditionalGeneration(tr.T5Config(vocab_size=256, d_model=64, d_kv=16, d_ff=128,
-                                                              num_layers=2, num_heads=4, use_cache=False))
+                                                              num_layers=2, num_heads=4, decoder_start_token_id=0,
+                                                              pad_token_id=0, use_cache=False))
         ids = torch.randint(0, 128, (4, 32))
         return model, {"input_ids": ids, "labels": ids}, None
     return make
