@@ -23,7 +23,7 @@ from solver.errors import InfeasibleBudget, SolverError
 from solver.fixed import untracked_bytes
 from solver.report import Report
 
-__all__ = ["Session", "PlanningInputs", "Reproduction", "buffers_kept", "GradientPrint", "fit_measured", "measured_peak", "reproduces", "self_check", "step_undone"]
+__all__ = ["Session", "PlanningInputs", "Reproduction", "buffers_kept", "forwards_kept", "GradientPrint", "fit_measured", "measured_peak", "reproduces", "self_check", "step_undone"]
 
 
 @dataclass
@@ -166,6 +166,21 @@ def buffers_kept(model: nn.Module) -> Iterator[list[torch.Tensor]]:
         with torch.no_grad():
             for b, v in buffers:
                 b.copy_(v)
+
+
+@contextlib.contextmanager
+def forwards_kept(model: nn.Module) -> Iterator[None]:
+    """Put every submodule's own ``forward`` attribute back as found after the block
+    (a step that wraps layer blocks, :func:`reference_step`'s, sets them)."""
+    found = [(m, m.__dict__.get("forward")) for m in model.modules()]
+    try:
+        yield
+    finally:
+        for m, forward in found:
+            if forward is not None:
+                m.__dict__["forward"] = forward
+            else:
+                m.__dict__.pop("forward", None)
 
 
 @contextlib.contextmanager
@@ -415,7 +430,8 @@ def reproduces(model: nn.Module, step: Callable, args: tuple, kwargs: dict, *,
         hooks = [p.register_post_accumulate_grad_hook(functools.partial(compare, i)) for i, p in enumerate(params)]
         try:
             kept = [t for found in prints.values() for t in (found.whole, found.sums) if t is not None]
-            lb, reference_peak = run(reference or reference_step(model), held + kept + [la])
+            with forwards_kept(model):  # the reference's block wrappers are not left on the model
+                lb, reference_peak = run(reference or reference_step(model), held + kept + [la])
             del kept
         finally:
             for h in hooks:

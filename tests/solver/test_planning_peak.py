@@ -11,6 +11,7 @@ import shutil
 import subprocess
 import sys
 from pathlib import Path
+from typing import Any
 
 import pytest
 
@@ -80,8 +81,8 @@ def counter(tmp_path_factory) -> Path:
     return lib
 
 
-def _optimize_counted(counter: Path, name: str, frac: float, *, child: str = CHILD) -> dict:
-    """The row that ``child`` prints, run with the counter preloaded on ``name`` at ``frac``."""
+def _optimize_counted(counter: Path, name: str, frac: float | str, *, child: str = CHILD) -> Any:
+    """What ``child`` prints as its row, run with the counter preloaded on ``name`` at ``frac``."""
     env = dict(os.environ, LD_PRELOAD=str(counter), PYTHONPATH=str(ROOT))
     done = subprocess.run([sys.executable, "-c", child, name, str(frac)], env=env, cwd=ROOT, capture_output=True,
                           text=True, timeout=600)
