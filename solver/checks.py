@@ -534,13 +534,6 @@ def _blocks(flat: torch.Tensor) -> torch.Tensor:
     return flat.view(-1, PRINT_BLOCK)
 
 
-#: the gradient check runs the model with its blocks checkpointed where that step's
-#: predicted peak is this fraction of the budget below it (an eager step measures over its
-#: prediction: an HF Qwen2 with its blocks checkpointed by 1.8 %, the gradients' prints
-#: held beside it adding a sixteenth of the gradients), else with what it saves on disk
-REFERENCE_MARGIN = 0.05
-
-
 def reference_step(model: nn.Module, *, offload: bool = False) -> Callable[[nn.Module, tuple, dict], Any]:
     """The step a rewrite's gradients are checked against: the model's own forward with
     every layer block under non-reentrant checkpointing, which gives eager's loss and
