@@ -606,6 +606,11 @@ def capture(
         raise
     except Exception as exc:
         raise _capture_error(exc, "tracing the forward (torch.export, non-strict)") from exc
+    if torch.utils.checkpoint.CheckpointFunction in functions:
+        raise CaptureError("the model calls torch.utils.checkpoint.checkpoint with use_reentrant=True, whose forward "
+                           "runs without autograd, so its backward cannot be traced; pass use_reentrant=False (or "
+                           "remove the checkpoint: optimize chooses what to recompute; mode='module' needs the same "
+                           "trace)")
     fwd = ep.module()
     if inplace == "alias":
         _mark_inplace(fwd)

@@ -79,7 +79,16 @@ def _storage_key(t: torch.Tensor) -> tuple[Any, int, int] | None:
         return None
     if st.nbytes() == 0 or t.device.type == "meta":
         return None
-    return (t.device, st.data_ptr(), st.nbytes())
+    return (t.device, storage_address(t), st.nbytes())
+
+
+def storage_address(t: torch.Tensor) -> int:
+    """The address of ``t``'s storage, read without asking to write it: a copy-on-write
+    copy (:func:`graphs.torch_internals.lazy_copy`) keeps sharing its source's memory."""
+    try:
+        return t.const_data_ptr() - t.storage_offset() * t.element_size()
+    except (RuntimeError, NotImplementedError):  # a tensor without data of its own
+        return t.untyped_storage().data_ptr()
 
 
 class MemoryTracker(TorchDispatchMode):

@@ -655,8 +655,40 @@ def custom_functions_called(model: torch.nn.Module, found: list) -> Iterator[Non
                     found.append(cls)
             todo.extend(nxt for nxt, _ in fn.next_functions)
 
+    # a reentrant checkpoint (torch's own Function) is found where it runs: without an
+    # input that requires a gradient its output has no autograd graph to find it in
+    reentrant = torch.utils.checkpoint.CheckpointFunction
+    forward = reentrant.__dict__["forward"]
+
+    def called(*args: Any, **kwargs: Any) -> Any:
+        if reentrant not in found:
+            found.append(reentrant)
+        return forward.__func__(*args, **kwargs)
+
     handle = torch.nn.modules.module.register_module_forward_hook(look)
+    reentrant.forward = staticmethod(called)
     try:
         yield
     finally:
+        reentrant.forward = forward
         handle.remove()
+
+
+__all__ += ["lazy_copy", "is_lazy_copy"]
+
+
+def lazy_copy(t: torch.Tensor) -> torch.Tensor:
+    """A copy of ``t`` that shares its memory until one of the two is written
+    (copy-on-write); a plain clone where torch has no lazy clone for it."""
+    try:
+        return torch._lazy_clone(t)
+    except (AttributeError, RuntimeError, NotImplementedError):
+        return t.clone()
+
+
+def is_lazy_copy(t: torch.Tensor) -> bool:
+    """Whether ``t`` still shares its memory copy-on-write (:func:`lazy_copy`)."""
+    try:
+        return bool(torch._C._is_cow_tensor(t))
+    except (AttributeError, RuntimeError):
+        return False

@@ -17,13 +17,13 @@ from torch import nn
 
 from graphs import RematError
 from graphs.capture import default_loss
-from graphs.memory import AllocatorPeak, judge_available, resident_bytes
+from graphs.memory import AllocatorPeak, judge_available, resident_bytes, storage_address
 from graphs.units import format_bytes
 from solver.errors import InfeasibleBudget, SolverError
 from solver.fixed import untracked_bytes
 from solver.report import Report
 
-__all__ = ["Session", "PlanningInputs", "Reproduction", "buffers_kept", "GradientPrint", "fit_measured", "measured_peak", "reproduces", "self_check", "step_undone"]
+__all__ = ["Session", "PlanningInputs", "Reproduction", "buffers_kept", "forwards_kept", "GradientPrint", "fit_measured", "measured_peak", "reproduces", "self_check", "step_undone"]
 
 
 @dataclass
@@ -68,10 +68,30 @@ def not_real(args: tuple, kwargs: dict) -> bool:
     return any(t.device.type == "meta" or type(t).__name__ == "FakeTensor" for t in flat)
 
 
+def _copy_of(t: torch.Tensor) -> torch.Tensor:
+    """A leaf copy of ``t`` with its ``requires_grad``, sharing its memory until written."""
+    from graphs.torch_internals import lazy_copy
+
+    c = lazy_copy(t.detach())
+    c.requires_grad_(t.requires_grad)
+    return c
+
+
+def _shares_memory(c: torch.Tensor, t: torch.Tensor) -> bool:
+    """Whether planning's copy ``c`` of the user's ``t`` still holds no memory of its own."""
+    from graphs.memory import storage_address
+    from graphs.torch_internals import is_lazy_copy
+
+    return (is_lazy_copy(c) and c.shape == t.shape and c.dtype == t.dtype
+            and storage_address(c) == storage_address(t))
+
+
 class PlanningInputs:
     """Copies of the example inputs for planning's runs, so that the user's tensors are
     never changed: not their values (a model that writes into its input in place), not
     their ``.grad`` (an input that requires a gradient), not their version counters.
+    A copy shares the user's memory until a run writes into it (copy-on-write), so that
+    planning holds no more than the user's inputs.
     :meth:`reset` gives every run the user's values again; :meth:`release` frees the
     copies' memory once planning is done (whatever still refers to them, such as a
     captured graph kept for the report, then holds no memory). Meta and fake inputs
@@ -96,29 +116,32 @@ class PlanningInputs:
         self.pairs: list[tuple[torch.Tensor, torch.Tensor]] = []
         if not_real(args, kwargs):
             self.args, self.kwargs = args, kwargs
-            self.beside_bytes = 0
             return
         flat, spec = tree_flatten((args, kwargs))
         out, made = [], {}
         for t in flat:
             if isinstance(t, torch.Tensor):
                 if id(t) not in made:  # one copy of a tensor passed twice
-                    made[id(t)] = c = t.detach().clone()
-                    c.requires_grad_(t.requires_grad)
+                    made[id(t)] = c = _copy_of(t)
                     self.pairs.append((c, t))
                 t = made[id(t)]
             out.append(t)
         self.args, self.kwargs = tree_unflatten(out, spec)
-        self.beside_bytes = resident_bytes([t for _, t in self.pairs])
+
+    @property
+    def beside_bytes(self) -> int:
+        """Bytes of the user's tensors held beside the copies: those whose copy no longer
+        shares their memory (a run wrote into it, or torch made a whole copy)."""
+        return resident_bytes([t for c, t in self.pairs if not _shares_memory(c, t)])
 
     def reset(self) -> None:
-        """The copies as the user's tensors are (values, ``requires_grad``), no gradients."""
+        """The copies as the user's tensors are (values, ``requires_grad``), no gradients.
+        A copy that a run wrote into shares the user's memory again."""
         with torch.no_grad():
             for c, t in self.pairs:
-                if c.shape != t.shape or c.dtype != t.dtype:  # a run resized it in place
-                    c.set_(t.detach().clone())
-                else:
-                    c.copy_(t)
+                if not _shares_memory(c, t):
+                    fresh = _copy_of(t)
+                    c.set_(fresh.untyped_storage(), fresh.storage_offset(), fresh.shape, fresh.stride())
                 c.grad = None
                 if c.is_leaf:
                     c.requires_grad_(t.requires_grad)
@@ -143,6 +166,21 @@ def buffers_kept(model: nn.Module) -> Iterator[list[torch.Tensor]]:
         with torch.no_grad():
             for b, v in buffers:
                 b.copy_(v)
+
+
+@contextlib.contextmanager
+def forwards_kept(model: nn.Module) -> Iterator[None]:
+    """Put every submodule's own ``forward`` attribute back as found after the block
+    (a step that wraps layer blocks, :func:`reference_step`'s, sets them)."""
+    found = [(m, m.__dict__.get("forward")) for m in model.modules()]
+    try:
+        yield
+    finally:
+        for m, forward in found:
+            if forward is not None:
+                m.__dict__["forward"] = forward
+            else:
+                m.__dict__.pop("forward", None)
 
 
 @contextlib.contextmanager
@@ -216,13 +254,20 @@ def fit_measured(model: nn.Module, *, make: Callable[[int], Any], run: Callable[
     """
     try:
         out, margin = make(held_back + reserve), held_back + reserve
-    except InfeasibleBudget:
-        reserve = 0  # the reserve is kept where a plan leaves room for it
-        try:
-            out, margin = make(held_back), held_back
-        except InfeasibleBudget as exc:
-            raise _measured_smallest(model, exc, make=make, run=run, args=args, kwargs=kwargs, budget=budget,
-                                     session=session, loss_fn=loss_fn) from exc
+    except InfeasibleBudget as tight:
+        # as much of the reserve as the smallest plan leaves room for
+        reserve = max(0, min(reserve, budget - tight.smallest_feasible_bytes - held_back))
+        out = None
+        if reserve:
+            with contextlib.suppress(InfeasibleBudget):
+                out, margin = make(held_back + reserve), held_back + reserve
+        if out is None:
+            reserve = 0
+            try:
+                out, margin = make(held_back), held_back
+            except InfeasibleBudget as exc:
+                raise _measured_smallest(model, exc, make=make, run=run, args=args, kwargs=kwargs, budget=budget,
+                                         session=session, loss_fn=loss_fn) from exc
     for attempt in range(tries):
         report = session.report
         extra = untracked_bytes(report.graph)
@@ -321,8 +366,8 @@ class Reproduction:
     peak_bytes : int or None
         The step's peak by the allocator (None for meta or fake inputs).
     reference_peak_bytes : int or None
-        The reference's peak by the allocator, the step's gradients held until the
-        reference's own replace them (see :func:`reproduces`).
+        The reference's peak by the allocator, the prints of the step's gradients
+        held beside it (see :func:`reproduces`).
     forward_peak_bytes : int or None
         The peak of the model's forward without autograd that checks the loss (with
         ``reference`` only).
@@ -348,7 +393,7 @@ def reproduces(model: nn.Module, step: Callable, args: tuple, kwargs: dict, *,
     No copy of the gradients is held from one run to the next: the step's gradient of
     each parameter is kept as a :class:`GradientPrint` (a sixteenth of it, or whole for a
     small one) and dropped, and the reference's gradient of that parameter is compared
-    with it as backward produces it."""
+    with it as backward produces it, and dropped: the reference holds no gradients."""
     if not_real(args, kwargs):
         return Reproduction(True)  # nothing real to run
     loss_fn = loss_fn or default_loss
@@ -358,11 +403,11 @@ def reproduces(model: nn.Module, step: Callable, args: tuple, kwargs: dict, *,
     prints: dict[int, GradientPrint | None] = {}
     differ: list[int] = []
 
-    def compare(i: int, grad: torch.Tensor) -> torch.Tensor:
+    def compare(i: int, p: torch.Tensor) -> None:
         found = prints.pop(i, None)
-        if found is None or not found.matches(grad, compiled=compiled):
+        if found is None or not found.matches(p.grad, compiled=compiled):
             differ.append(i)
-        return grad
+        p.grad = None  # compared: the reference holds no gradient
 
     def run(fn: Callable, held: list) -> tuple[torch.Tensor, int | None]:
         with buffers_kept(model) as copies:
@@ -382,10 +427,11 @@ def reproduces(model: nn.Module, step: Callable, args: tuple, kwargs: dict, *,
             if p.grad is not None:
                 prints[i] = GradientPrint(p.grad, seed=i)
             p.grad = None
-        hooks = [p.register_hook(functools.partial(compare, i)) for i, p in enumerate(params)]
+        hooks = [p.register_post_accumulate_grad_hook(functools.partial(compare, i)) for i, p in enumerate(params)]
         try:
             kept = [t for found in prints.values() for t in (found.whole, found.sums) if t is not None]
-            lb, reference_peak = run(reference or reference_step(model), held + kept + [la])
+            with forwards_kept(model):  # the reference's block wrappers are not left on the model
+                lb, reference_peak = run(reference or reference_step(model), held + kept + [la])
             del kept
         finally:
             for h in hooks:
@@ -517,7 +563,7 @@ def reference_step(model: nn.Module, *, offload: bool = False) -> Callable[[nn.M
 
     if offload:
         def on_disk(m: nn.Module, args: tuple, kwargs: dict) -> Any:
-            store = _OnDisk(m)
+            store = _OnDisk(m, (args, kwargs))
             with torch.autograd.graph.saved_tensors_hooks(store.pack, store.unpack):
                 return type(m).forward(m, *args, **kwargs)
         return on_disk
@@ -531,24 +577,29 @@ def reference_step(model: nn.Module, *, offload: bool = False) -> Callable[[nn.M
 class _OnDisk:
     """Saved-tensor hooks that keep what a step saves for backward in files of a
     temporary folder (removed with the last reference to the store, which autograd's
-    graph holds through the hooks); tensors that share a parameter's or buffer's
-    storage, and small ones, stay where they are."""
+    graph holds through the hooks); tensors that share a storage of a parameter, a
+    buffer or an input (``inputs``: held by the caller anyway), and small ones, stay
+    where they are."""
 
-    SMALL = 1 << 16  # bytes
+    SMALL = 512  # bytes: a scalar or a few elements, not worth a file
 
-    def __init__(self, model: nn.Module) -> None:
+    def __init__(self, model: nn.Module, inputs: Any = ()) -> None:
         import shutil
         import tempfile
         import weakref
 
+        from graphs.torch_internals import tree_leaves
+
         self.folder = tempfile.mkdtemp(prefix="remat-check-")
         weakref.finalize(self, shutil.rmtree, self.folder, True)
-        self.resident = {t.untyped_storage().data_ptr() for t in list(model.parameters()) + list(model.buffers())}
+        held = list(model.parameters()) + list(model.buffers())
+        held += [t for t in tree_leaves(inputs) if isinstance(t, torch.Tensor)]
+        self.resident = {storage_address(t) for t in held if t.layout == torch.strided}
         self.count = 0
 
     def pack(self, t: torch.Tensor) -> Any:
         if (t.numel() * t.element_size() < self.SMALL or t.layout != torch.strided
-                or t.untyped_storage().data_ptr() in self.resident):
+                or storage_address(t) in self.resident):
             return t
         import os
 

@@ -11,6 +11,7 @@ import shutil
 import subprocess
 import sys
 from pathlib import Path
+from typing import Any
 
 import pytest
 
@@ -80,9 +81,10 @@ def counter(tmp_path_factory) -> Path:
     return lib
 
 
-def _optimize_counted(counter: Path, name: str, frac: float) -> dict:
+def _optimize_counted(counter: Path, name: str, frac: float | str, *, child: str = CHILD) -> Any:
+    """What ``child`` prints as its row, run with the counter preloaded on ``name`` at ``frac``."""
     env = dict(os.environ, LD_PRELOAD=str(counter), PYTHONPATH=str(ROOT))
-    done = subprocess.run([sys.executable, "-c", CHILD, name, str(frac)], env=env, cwd=ROOT, capture_output=True,
+    done = subprocess.run([sys.executable, "-c", child, name, str(frac)], env=env, cwd=ROOT, capture_output=True,
                           text=True, timeout=600)
     rows = [line[4:] for line in done.stdout.splitlines() if line.startswith("ROW ")]
     assert done.returncode == 0 and rows, done.stderr[-3000:]
