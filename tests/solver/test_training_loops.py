@@ -8,6 +8,7 @@ import torch
 from torch import nn
 
 import solver
+from graphs.memory import settle_open_judges
 
 
 class _Scaled(nn.Module):
@@ -99,8 +100,8 @@ def test_hf_return_dict_and_use_cache_share_the_plan():
 @pytest.mark.parametrize("backend", ["aot_eager", "inductor"])
 def test_torch_compile_of_the_returned_module_runs_the_plan(backend):
     """``torch.compile(fast)`` runs the planned step (Dynamo does not trace planning
-    nor the step): one plan, the real step within the budget by the allocator, losses
-    and gradients as the plain model's."""
+    nor the step): one plan, each of three real steps within the budget by the
+    allocator, losses and gradients as the plain model's."""
     import copy
 
     from examples import models
@@ -111,7 +112,7 @@ def test_torch_compile_of_the_returned_module_runs_the_plan(backend):
     loss_fn = _loss
     roomy = solver.optimize(model, 1.0, example_inputs=inputs, loss_fn=loss_fn)
     budget = 0.7 * roomy.report.predicted_peak_bytes / 2**30
-    fast = solver.optimize(model, budget, example_inputs=inputs, loss_fn=loss_fn)
+    fast = solver.optimize(model, budget, example_inputs=inputs, loss_fn=loss_fn, watch="every")
     step = next(iter(fast.remat_steps.values()))
     compiled = torch.compile(fast, backend=backend)
     for i in range(3):
@@ -127,5 +128,6 @@ def test_torch_compile_of_the_returned_module_runs_the_plan(backend):
         torch.testing.assert_close(loss, want)
         for p, q in zip(model.parameters(), plain.parameters()):
             torch.testing.assert_close(p.grad, q.grad)
+    settle_open_judges()  # the last step's measurement closes at the next call or optimizer step
     assert len(fast.remat_steps) == 1 and next(iter(fast.remat_steps.values())) is step
-    assert step.step_peaks and max(step.step_peaks) <= fast.report.budget_bytes
+    assert len(step.step_peaks) == 3 and max(step.step_peaks) <= fast.report.budget_bytes
