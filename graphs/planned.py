@@ -27,12 +27,17 @@ What the wrapper keeps of a drop-in's contract, beyond forward's outputs:
   :class:`NotPicklable` (save its ``state_dict()``, whose keys are the model's).
 - **the plan cache**: at most :data:`PLAN_CACHE_SIZE` plans, least recently used dropped
   first (it is made again, with a note in ``report``, if its signature comes back).
+- **shape families** (with a ``resizer``): a call that differs from a planned call only
+  in sizes, none larger, runs that plan's decisions (:func:`size_family`); a larger one
+  plans its bucket once (:func:`bucket_sizes`).
 """
 
 from __future__ import annotations
 
 import copy
 import functools
+import logging
+import math
 import warnings
 from collections import OrderedDict
 from typing import Any, Callable, Mapping
@@ -43,17 +48,24 @@ from torch import nn
 from graphs.autocast import autocast_state
 from graphs.errors import RematError
 from graphs.torch_internals import (TorchDispatchMode, forward_hooks, hook_registrations, root_hooks_off,
-                                   tree_flatten)
+                                   tree_flatten, tree_unflatten)
 
-__all__ = ["HookNotRun", "ModuleStep", "NotPicklable", "PLAN_CACHE_SIZE", "Planner", "input_signature",
-           "same_forward", "wrap_planned"]
+__all__ = ["HookNotRun", "ModuleStep", "NotPicklable", "PLAN_CACHE_SIZE", "SIZED_CACHE_SIZE", "Planner",
+           "Resizer", "bucket_sizes", "grown_inputs", "input_signature", "parameters_read", "same_forward",
+           "size_family",
+           "wrap_planned"]
+
+log = logging.getLogger(__name__)
 
 #: plans a wrapper keeps (one per input signature), like torch.compile's recompile limit
 PLAN_CACHE_SIZE = 8
+#: steps a wrapper keeps that run a plan's decisions at other sizes (cheap to make again)
+SIZED_CACHE_SIZE = 64
 
 #: the wrapper's attributes that belong to its plans (a deep copy plans again); and every
 #: attribute whose name starts with ``_remat``
 PLAN_STATE = frozenset({"forward", "train", "remat_steps", "remat_plan_now", "remat_plan", "report",
+
                         "__deepcopy__", "__reduce_ex__"})
 
 
@@ -66,6 +78,9 @@ class NotPicklable(RematError, TypeError):
 
 #: ``planner(model, args, kwargs) -> step``
 Planner = Callable[[nn.Module, tuple, dict], Any]
+#: ``resizer(model, step, args, kwargs) -> step or None``: ``step``'s decisions run on
+#: inputs of the same family no larger than the ones it was planned for (None: plan them)
+Resizer = Callable[[nn.Module, Any, tuple, dict], Any]
 
 
 def input_signature(args: tuple, kwargs: dict) -> tuple:
@@ -90,6 +105,86 @@ def input_signature(args: tuple, kwargs: dict) -> tuple:
         else:
             leaves.append(("V", repr(t)))
     return (str(spec), tuple(leaves), autocast_state())
+
+
+def size_family(key: tuple) -> tuple:
+    """An :func:`input_signature` with the tensors' sizes left out (their number of
+    dimensions kept): calls of one family differ only in sizes.
+
+    Examples
+    --------
+    >>> a = input_signature((torch.ones(2, 3),), {})
+    >>> size_family(a) == size_family(input_signature((torch.ones(5, 7),), {}))
+    True
+    >>> size_family(a) == size_family(input_signature((torch.ones(5),), {}))
+    False
+    """
+    spec, leaves, autocast = key
+    return spec, tuple(("T", len(v[1])) + v[2:] if v[0] == "T" else v for v in leaves), autocast
+
+
+def _sizes(key: tuple) -> list[tuple[int, ...]]:
+    return [v[1] for v in key[1] if v[0] == "T"]
+
+
+def _covers(big: tuple, small: tuple) -> bool:
+    """Whether every tensor of the signature ``big`` is at least as large as
+    ``small``'s in every dimension (one family)."""
+    return all(b >= s for bs, ss in zip(_sizes(big), _sizes(small)) for b, s in zip(bs, ss))
+
+
+def _power_of_two(n: int) -> int:
+    return 1 << max(0, int(n) - 1).bit_length()
+
+
+def bucket_sizes(key: tuple, planned: list[tuple]) -> list[tuple[int, ...]]:
+    """The sizes a family's plan is made for when the call ``key`` is larger than every
+    planned call of its family (``planned``) in some dimension: per tensor and
+    dimension the largest size met, rounded up to a power of two where the call is
+    the one that grew it.
+
+    Examples
+    --------
+    >>> k = lambda *shapes: input_signature(tuple(torch.ones(s) for s in shapes), {})
+    >>> bucket_sizes(k((8, 40)), [k((8, 24))])
+    [(8, 64)]
+    """
+    sizes = _sizes(key)
+    largest = [tuple(max(d) for d in zip(*shapes)) for shapes in zip(*(_sizes(k) for k in planned))]
+    return [tuple(_power_of_two(s) if s > m else m for s, m in zip(shape, most))
+            for shape, most in zip(sizes, largest)]
+
+
+def grown_inputs(args: tuple, kwargs: dict, sizes: list[tuple[int, ...]]) -> tuple[tuple, dict]:
+    """Copies of the call's tensors grown to ``sizes`` (one per tensor, in flattening
+    order) by repeating their values along each dimension that grows (index ``i``
+    takes ``i % size``): inputs that plan a larger step of the same family. Tensors
+    grown alike along a dimension stay aligned (token ids and their labels), and a
+    tensor passed twice gives one grown tensor.
+
+    Examples
+    --------
+    >>> (x,), _ = grown_inputs((torch.arange(3),), {}, [(5,)])
+    >>> x.tolist()
+    [0, 1, 2, 0, 1]
+    """
+    flat, spec = tree_flatten((args, kwargs))
+    it = iter(sizes)
+    out, made = [], {}  # a tensor passed twice is grown once (the capture sees one input)
+    with torch.no_grad():
+        for t in flat:
+            if isinstance(t, torch.Tensor):
+                target = next(it)
+                if id(t) not in made:
+                    grown = t.detach()
+                    for dim, (have, want) in enumerate(zip(t.shape, target)):
+                        if want > have:
+                            grown = grown.index_select(dim, torch.arange(want, device=t.device) % have)
+                    made[id(t)] = grown.requires_grad_(t.requires_grad) if grown is not t.detach() else t
+                t = made[id(t)]
+            out.append(t)
+    args, kwargs = tree_unflatten(out, spec)
+    return args, kwargs
 
 
 class _OpTrace(TorchDispatchMode):
@@ -171,6 +266,37 @@ def same_forward(forward: Callable, module: nn.Module, call: tuple[tuple, dict],
     return first is not None and first == _forward_trace(forward, module, *other)
 
 
+def parameters_read(module: nn.Module, args: tuple, kwargs: dict) -> set[str] | None:
+    """The names of the parameters that one forward of ``module`` on ``(args, kwargs)``
+    reads (run once without gradients and without the modules' hooks, random generators
+    and buffers put back); None where that forward cannot run so.
+
+    Examples
+    --------
+    >>> net = nn.Sequential(nn.Linear(2, 2), nn.Linear(2, 2))
+    >>> sorted(parameters_read(net[0], (torch.ones(1, 2),), {}))
+    ['bias', 'weight']
+    """
+    from graphs.torch_internals import module_hooks_off
+
+    with module_hooks_off(module):  # not a training step: the user's hooks do not see it
+        trace = _forward_trace(type(module).forward, module, args, kwargs)
+    if trace is None:
+        return None
+    names = {n for n, _ in module.named_parameters()}
+    found: set[str] = set()
+
+    def walk(v: Any) -> None:
+        if isinstance(v, tuple):
+            if len(v) == 4 and isinstance(v[0], str) and v[0] in names:
+                found.add(v[0])
+            for a in v:
+                walk(a)
+
+    walk(trace[2])
+    return found
+
+
 _TENSORS = object()  # a keyword whose value holds tensors (a graph input)
 
 
@@ -228,7 +354,8 @@ class ModuleStep:
 
 
 def wrap_planned(model: nn.Module, planner: Planner, *,
-                 copy_planner: Callable[[nn.Module], Planner] | None = None) -> nn.Module:
+                 copy_planner: Callable[[nn.Module], Planner] | None = None,
+                 resizer: Resizer | None = None) -> nn.Module:
     """A drop-in module that runs ``model``'s training steps as planned steps.
 
     Parameters
@@ -242,6 +369,16 @@ def wrap_planned(model: nn.Module, planner: Planner, *,
     copy_planner : callable, optional
         ``copy_planner(copy) -> planner`` for a ``copy.deepcopy`` of the wrapper (it may
         set attributes of the copy, such as its report); default: the same ``planner``.
+    resizer : callable, optional
+        Shape families (:func:`size_family`): ``resizer(model, step, args, kwargs) ->
+        step or None`` runs a plan's decisions on a call that differs from the planned
+        one only in sizes, none larger (None: the call is planned). Given, a call larger
+        than every planned call of its family in some dimension is planned once for the
+        family's bucket (:func:`bucket_sizes`: the dimensions that grew rounded up to a
+        power of two, on inputs grown by :func:`grown_inputs`) and runs that plan's
+        decisions; where the bucket cannot be planned (a model that refuses the grown
+        sizes, a budget too small for them) the call is planned at its own sizes.
+        Default: a plan per input signature.
 
     Returns
     -------
@@ -249,7 +386,8 @@ def wrap_planned(model: nn.Module, planner: Planner, *,
         A shallow copy of ``model``: same class, same parameter and buffer objects, same
         ``state_dict`` keys, its own ``_modules``/``_parameters``/``_buffers`` dicts;
         ``model`` itself is not changed. ``remat_steps`` maps input signatures to their
-        steps (the :data:`PLAN_CACHE_SIZE` most recently used); a module-mode step's
+        steps (the :data:`PLAN_CACHE_SIZE` most recently used plans, and up to
+        :data:`SIZED_CACHE_SIZE` steps running them at other sizes); a module-mode step's
         actions are ``remat_plan``.
 
     Raises
@@ -272,12 +410,12 @@ def wrap_planned(model: nn.Module, planner: Planner, *,
     for name in ("_modules", "_parameters", "_buffers", "_non_persistent_buffers_set"):
         if name in model.__dict__:
             wrapper.__dict__[name] = type(model.__dict__[name])(model.__dict__[name])
-    _install(wrapper, model, planner, copy_planner)
+    _install(wrapper, model, planner, copy_planner, resizer)
     return wrapper
 
 
 def _install(wrapper: nn.Module, model: nn.Module, planner: Planner,
-             copy_planner: Callable[[nn.Module], Planner] | None) -> None:
+             copy_planner: Callable[[nn.Module], Planner] | None, resizer: Resizer | None = None) -> None:
     """Give ``wrapper`` the forward, train, plan cache and copy rules of a planned
     module of ``model``."""
     original_forward = type(model).forward
@@ -287,6 +425,7 @@ def _install(wrapper: nn.Module, model: nn.Module, planner: Planner,
     checked = [-1]  # hook_registrations() when the submodules were last seen without hooks
     templates: dict[tuple, tuple] = {}  # per planned signature, its call's keywords (_call_template)
     same_as: dict[tuple, tuple | None] = {}  # a new signature -> the planned one it runs, or None
+    sized: set[tuple] = set()  # signatures whose steps run another signature's plan (resizer)
 
     @torch.compiler.disable
     def plan_now(args: tuple, kwargs: dict) -> Any:
@@ -296,12 +435,11 @@ def _install(wrapper: nn.Module, model: nn.Module, planner: Planner,
             if key in dropped else None)
         with root_hooks_off(model):
             step = planner(model, args, kwargs)
-        steps[key] = step
-        steps.move_to_end(key)
-        templates[key] = _call_template(args, kwargs)
+        keep(key, step, args, kwargs)
         dropped.discard(key)
-        while len(steps) > PLAN_CACHE_SIZE:
-            old, _ = steps.popitem(last=False)
+        while len(steps) - len(sized) > PLAN_CACHE_SIZE:
+            old = next(k for k in steps if k not in sized)
+            del steps[old]
             if not warned[0]:
                 warnings.warn(f"{type(model).__name__} was called with more than {PLAN_CACHE_SIZE} input "
                               "signatures (shapes, dtypes, autocast state) in training: the least recently "
@@ -316,6 +454,56 @@ def _install(wrapper: nn.Module, model: nn.Module, planner: Planner,
         if again is not None and report is not None:
             report.notes.append(f"this plan was made again for an input signature: {again}")
         checked[0] = -1
+        return step
+
+    def keep(key: tuple, step: Any, args: tuple, kwargs: dict, *, resized: bool = False) -> None:
+        steps[key] = step
+        steps.move_to_end(key)
+        templates[key] = _call_template(args, kwargs)
+        same_as.clear()  # a call that found no plan before may find one now
+        if resized:
+            sized.add(key)
+            while len(sized) > SIZED_CACHE_SIZE:  # made again, cheaply, if it comes back
+                old = next(k for k in steps if k in sized)
+                del steps[old]
+                sized.discard(old)
+        else:
+            sized.discard(key)
+
+    def in_family(args: tuple, kwargs: dict, key: tuple) -> Any:
+        """The step of a call of a planned family: a plan's decisions at its sizes (the
+        smallest planned call that covers it), or a plan for the family's bucket when
+        it is larger than every one; None where it is planned on its own."""
+        family = size_family(key)
+        planned = [k for k in steps if k not in sized and size_family(k) == family]
+        if not planned:
+            return None
+        covering = [k for k in planned if _covers(k, key)]
+        grown = None
+        if covering:
+            base = min(covering, key=lambda k: sum(math.prod(s) for s in _sizes(k)))
+            base_step = steps[base]
+            steps.move_to_end(base)
+        else:
+            sizes = bucket_sizes(key, planned)
+            big_args, big_kwargs = grown_inputs(args, kwargs, sizes)
+            try:
+                base_step = plan_now(big_args, big_kwargs)
+                grown = input_signature(big_args, big_kwargs)
+            except Exception as exc:  # the model or the budget does not take the bucket's sizes
+                log.info("no plan for the bucket %s (%s): planning the call's own sizes", sizes, exc)
+                return None
+            report = wrapper.__dict__.get("report")
+            if report is not None:
+                report.notes.append(f"planned for the inputs' sizes up to {', '.join(map(str, sizes))} (the "
+                                    "dimensions that vary rounded up to a power of two); calls no larger in any "
+                                    "dimension run its decisions")
+        if grown == key:  # the call has the bucket's sizes: the plan is its own
+            return base_step
+        with root_hooks_off(model):
+            step = resizer(model, base_step, args, kwargs)
+        if step is not None:
+            keep(key, step, args, kwargs, resized=True)
         return step
 
     def check_hooks() -> None:
@@ -345,6 +533,8 @@ def _install(wrapper: nn.Module, model: nn.Module, planner: Planner,
         if key not in steps and steps:
             args, kwargs, key = as_planned_call(args, kwargs, key)
         step = steps.get(key)
+        if step is None and resizer is not None and steps:
+            step = in_family(args, kwargs, key)
         if step is None:
             step = plan_now(args, kwargs)
         else:
@@ -354,20 +544,27 @@ def _install(wrapper: nn.Module, model: nn.Module, planner: Planner,
         return step(wrapper, args, kwargs)
 
     def as_planned_call(args: tuple, kwargs: dict, key: tuple) -> tuple[tuple, dict, tuple]:
-        """The call a plan of another signature runs where the two calls differ only in
-        keywords that do not change the forward (checked once per new signature)."""
+        """The call made like a planned call (its keywords) where the two differ only in
+        keywords that do not change the forward, checked once per new signature; with a
+        ``resizer``, a planned call of the same family counts (sizes may differ)."""
         if key not in same_as:
             same_as[key] = None
             for planned in reversed(steps):
                 other = _as_planned(args, kwargs, templates[planned])
-                if (other is not None and input_signature(args, other) == planned
+                if other is None:
+                    continue
+                like = input_signature(args, other)
+                if like == key:
+                    continue
+                if ((like == planned or (resizer is not None and size_family(like) == size_family(planned)))
                         and same_forward(original_forward, wrapper, (args, kwargs), (args, other))):
                     same_as[key] = planned
                     break
         planned = same_as[key]
-        if planned is None or planned not in steps:
+        if planned is None or planned not in templates:
             return args, kwargs, key
-        return args, _as_planned(args, kwargs, templates[planned]), planned
+        other = _as_planned(args, kwargs, templates[planned])
+        return args, other, input_signature(args, other)
 
     def train(mode: bool = True) -> nn.Module:
         type(wrapper).train(wrapper, mode)
@@ -376,14 +573,15 @@ def _install(wrapper: nn.Module, model: nn.Module, planner: Planner,
 
     wrapper.forward = forward
     wrapper.train = train
-    wrapper.__deepcopy__ = functools.partial(_deep_copy, wrapper, model, planner, copy_planner)
+    wrapper.__deepcopy__ = functools.partial(_deep_copy, wrapper, model, planner, copy_planner, resizer)
     wrapper.__reduce_ex__ = functools.partial(_reduce, wrapper, model)
     wrapper.remat_steps = steps
     wrapper.remat_plan_now = plan_now
 
 
 def _deep_copy(wrapper: nn.Module, model: nn.Module, planner: Planner,
-               copy_planner: Callable[[nn.Module], Planner] | None, memo: dict) -> nn.Module:
+               copy_planner: Callable[[nn.Module], Planner] | None, resizer: Resizer | None,
+               memo: dict) -> nn.Module:
     """``copy.deepcopy`` of a planned module: a copy of ``model`` and of the wrapper's
     own state, without plans, planned again on its first training call."""
     model_copy = copy.deepcopy(model, memo)
@@ -394,7 +592,7 @@ def _deep_copy(wrapper: nn.Module, model: nn.Module, planner: Planner,
     for m in list(model_copy.modules()) + list(new.modules()):
         _drop_plan_wrapper(m)
     new_planner = planner if copy_planner is None else copy_planner(new)
-    _install(new, model_copy, new_planner, copy_planner)
+    _install(new, model_copy, new_planner, copy_planner, resizer)
     return new
 
 

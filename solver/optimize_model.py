@@ -38,6 +38,7 @@ from graphs.units import GiB
 from solver.checks import PlanningInputs, Session, split_inputs
 from solver.data_parallel import data_parallel
 from solver.errors import OptionError
+from solver.families import resize_step
 from solver.fixed import optimizer_state_bytes
 from solver.planning import PLANNING_GAP_TOLERANCE, Request, plan_step
 from solver.report import Report
@@ -69,6 +70,7 @@ def optimize(
     compiler: str = "eager",
     loss_fn: Callable[[Any], torch.Tensor] | None = None,
     watch: str = "auto",
+    dynamic: bool = True,
 ) -> nn.Module:
     """Return a drop-in module whose training step fits ``budget_gb``.
 
@@ -190,6 +192,17 @@ def optimize(
         ``"every"``, every step; ``"off"``, none. A step over the budget makes the next
         call plan again with the excess held back, with a warning and a report note
         (``report.step_peak_bytes``); the steps that are not measured run the plan alone.
+    dynamic : bool
+        One plan for a family of shapes, in the manner of ``torch.compile(dynamic=True)``
+        (:mod:`solver.families`): a call whose inputs differ from a planned call's only in
+        sizes (another sequence length or batch size), none larger, runs that plan's
+        decisions: module mode and a plan that runs the original forward as they are,
+        graph mode on the step captured again at the new sizes (nothing timed or
+        solved). A call larger in some dimension than every planned call is planned
+        once for its bucket: the dimensions that grew rounded up to a power of two, on
+        the call's values repeated to those sizes. The first real step at each new size
+        is measured by the allocator (``watch``) and planned again for its own sizes
+        when it is over the budget. ``False``: a plan per input signature.
 
     Returns
     -------
@@ -247,6 +260,9 @@ def optimize(
                        sharding=sharding, sharding_options=sharding_options, planned_now=example_inputs is not None,
                        loss_fn=loss_fn, watch=watch)
     request = dataclasses.replace(request, mode_pinned=pinned)
+    if not isinstance(dynamic, bool):
+        raise OptionError(f"dynamic must be True or False, got {dynamic!r}")
+    resizer = functools.partial(resize_step, request=request) if dynamic else None
     session = Session(loss_fn=loss_fn)
     planner = functools.partial(plan_step, request=request, session=session)
 
@@ -261,7 +277,7 @@ def optimize(
         wrapper = request.dp.plan_and_wrap(model, planner=planner, args=args, kwargs=kwargs, blocks=blocks,
                                            session=session, copy_planner=copy_planner)
     else:
-        wrapper = wrap_planned(model, planner, copy_planner=copy_planner)
+        wrapper = wrap_planned(model, planner, copy_planner=copy_planner, resizer=resizer)
         session.modules.append(wrapper)
         wrapper.report = None
         if example_inputs is not None:
@@ -275,6 +291,61 @@ def optimize(
         finally:
             copies.release()
     return wrapper
+
+
+def resident_floor(model: nn.Module, example_inputs: Any = None, *, optimizer_bytes: int = 0) -> tuple[int, str]:
+    """Bytes that every training step of ``model`` holds at its end, whatever its
+    schedule, and what they are: each parameter and buffer (each storage once), the
+    optimizer state, the example inputs, and a gradient for each trainable parameter
+    that a forward on the example inputs reads (one run without gradients; none
+    counted without example inputs, or where that run fails).
+
+    Examples
+    --------
+    >>> net = nn.Linear(256, 256)
+    >>> resident_floor(net, (torch.randn(4, 256),))[0] == 2 * (256 * 256 + 256) * 4 + 4 * 256 * 4
+    True
+    """
+    from graphs.planned import parameters_read
+    from graphs.torch_internals import tree_leaves
+
+    def nbytes(tensors: Any) -> int:
+        seen, total = set(), 0
+        for t in tensors:
+            key = id(t) if t.device.type == "meta" or type(t).__name__ == "FakeTensor" else t.untyped_storage().data_ptr()
+            if key not in seen:
+                seen.add(key)
+                total += t.numel() * t.element_size()
+        return total
+
+    held = nbytes(list(model.parameters()) + list(model.buffers()))
+    what = ["parameters and buffers"]
+    if optimizer_bytes:
+        held += optimizer_bytes
+        what.append("optimizer state")
+    read = None
+    if example_inputs is not None:
+        args, kwargs = split_inputs(example_inputs)
+        held += nbytes([t for t in tree_leaves((args, kwargs)) if isinstance(t, torch.Tensor)])
+        what.append("inputs")
+        read = parameters_read(model, args, kwargs)
+    if read:
+        held += nbytes([p for n, p in model.named_parameters() if p.requires_grad and n in read])
+        what.append("the gradients of the parameters the forward reads")
+    return held, ", ".join(what[:-1]) + " and " + what[-1] if len(what) > 1 else what[0]
+
+
+def refuse_below_resident(model: nn.Module, budget: int, example_inputs: Any = None, *,
+                          optimizer_bytes: int = 0) -> None:
+    """Raise :class:`solver.InfeasibleBudget` before any capture when ``budget`` bytes
+    are below :func:`resident_floor`, naming that figure (no schedule goes below it)."""
+    from solver.errors import InfeasibleBudget
+
+    floor, what = resident_floor(model, example_inputs, optimizer_bytes=optimizer_bytes)
+    if budget < floor:
+        raise InfeasibleBudget(budget, floor, lower_bound_bytes=floor,
+                               what=f"peak any schedule could reach (every training step holds its {what} at its "
+                                    "end; checked before capture)")
 
 
 def _check_model(model: nn.Module) -> None:

@@ -1,0 +1,190 @@
+"""One plan for a family of shapes: calls that differ only in sizes run a plan's
+decisions (``dynamic=True``), a larger call plans its bucket once, every real step is
+measured within the budget by the allocator, and the results are the plain model's;
+and budgets below what every step holds are refused before any capture."""
+
+from __future__ import annotations
+
+import copy
+
+import pytest
+import torch
+from torch import nn
+
+import solver
+import solver.planning
+from solver.optimize_model import refuse_below_resident, resident_floor
+from graphs.memory import settle_open_judges
+from graphs.planned import bucket_sizes, grown_inputs, input_signature, size_family
+
+
+def _counting(monkeypatch):
+    """Counts every plan made (capture, solve and check), replans of the watch included."""
+    made = []
+    plan = solver.planning._plan_step
+
+    def counted(*args, **kwargs):
+        made.append(1)
+        return plan(*args, **kwargs)
+
+    monkeypatch.setattr(solver.planning, "_plan_step", counted)
+    return made
+
+
+def _mlp():
+    torch.manual_seed(0)
+    blocks = [nn.Sequential(nn.Linear(128, 256), nn.Tanh(), nn.Linear(256, 128), nn.Tanh()) for _ in range(4)]
+    return nn.Sequential(nn.Linear(64, 128), *blocks, nn.Linear(128, 1))
+
+
+def _grads(model, out):
+    out.square().mean().backward()
+    grads = [p.grad.clone() for p in model.parameters()]
+    for p in model.parameters():
+        p.grad = None
+    return grads
+
+
+# ---------------------------------------------------------------- sizes and buckets
+
+def test_a_family_is_a_signature_without_sizes():
+    key = input_signature((torch.ones(8, 40, dtype=torch.long),), {"labels": torch.ones(8, 40)})
+    other = input_signature((torch.ones(4, 24, dtype=torch.long),), {"labels": torch.ones(4, 24)})
+    assert size_family(key) == size_family(other) and key != other
+    cast = input_signature((torch.ones(8, 40),), {"labels": torch.ones(8, 40)})
+    assert size_family(cast) != size_family(key)  # a dtype differs
+    assert size_family(input_signature((torch.ones(8, 40, 1, dtype=torch.long),), {"labels": torch.ones(8, 40)})) \
+        != size_family(key)  # a rank differs
+
+
+def test_the_bucket_rounds_only_the_dimensions_that_grew():
+    def k(*shapes):
+        return input_signature(tuple(torch.ones(s) for s in shapes), {})
+
+    assert bucket_sizes(k((8, 40), (3,)), [k((8, 24), (3,))]) == [(8, 64), (3,)]
+    assert bucket_sizes(k((8, 40)), [k((16, 24)), k((2, 33))]) == [(16, 64)]
+    assert bucket_sizes(k((8, 64)), [k((8, 24))]) == [(8, 64)]
+
+
+def test_grown_inputs_repeat_values_and_keep_a_shared_tensor_shared():
+    ids = torch.arange(6).reshape(2, 3)
+    (grown,), kwargs = grown_inputs((ids,), {"labels": ids, "mask": torch.ones(2, 3)}, [(2, 5), (2, 5), (2, 5)])
+    assert grown.tolist() == [[0, 1, 2, 0, 1], [3, 4, 5, 3, 4]]
+    assert kwargs["labels"] is grown and kwargs["mask"].shape == (2, 5)
+
+
+# ---------------------------------------------------------------- reuse of a plan
+
+@pytest.mark.parametrize("mode", ["graph", "module"])
+def test_smaller_batches_run_the_plan_without_planning_again(monkeypatch, mode):
+    from examples import models
+
+    made = _counting(monkeypatch)
+    model, (idx, targets) = models.gpt(n_layer=2, d=32, seq=32, batch=32, dropout=0.0)
+    plain = copy.deepcopy(model)
+    roomy = solver.optimize(model, 1.0, (idx, targets), mode=mode, measure_time=False)
+    budget = 0.7 * roomy.report.store_all_peak_bytes / 2**30
+    made.clear()
+    fast = solver.optimize(model, budget, mode=mode, measure_time=False, watch="every")
+    for n in (32, 16, 24, 8, 16):
+        call = (idx[:n], targets[:n])
+        torch.testing.assert_close(_grads(model, fast(*call)), _grads(plain, plain(*call)))
+    assert len(made) == 1
+    assert len(fast.remat_steps) == 4  # the plan, and the steps running it at 3 other sizes
+    steps = list(fast.remat_steps.values())
+    assert all(s.step_peaks and max(s.step_peaks) <= fast.report.budget_bytes for s in steps)
+    assert fast.report.predicted_peak_bytes < roomy.report.store_all_peak_bytes  # the plan recomputes
+
+
+def test_dynamic_false_plans_every_shape(monkeypatch):
+    made = _counting(monkeypatch)
+    model = _mlp()
+    fast = solver.optimize(model, 1.0, mode="module", measure_time=False, dynamic=False)
+    for n in (256, 128, 64):
+        _grads(model, fast(torch.randn(n, 64)))
+    assert len(made) == 3
+
+
+def test_a_larger_call_plans_its_bucket_once(monkeypatch):
+    made = _counting(monkeypatch)
+    model = _mlp()
+    fast = solver.optimize(model, 1.0, mode="module", measure_time=False)
+    for n in (24, 40, 64, 50, 33):
+        _grads(model, fast(torch.randn(n, 64)))
+    assert len(made) == 2  # 24, then the bucket of 40: up to 64
+    assert any("up to (64, 64)" in note for note in fast.report.notes)
+
+
+def test_option_dynamic_is_checked():
+    with pytest.raises(solver.OptionError, match="dynamic"):
+        solver.optimize(_mlp(), 1.0, dynamic="yes")
+
+
+def _causal_lm(kind):
+    transformers = pytest.importorskip("transformers")
+    config = dict(num_hidden_layers=2, hidden_size=64, num_attention_heads=4, num_key_value_heads=2,
+                  intermediate_size=128, vocab_size=256, max_position_embeddings=128, use_cache=False)
+    torch.manual_seed(0)
+    if kind == "llama":
+        return transformers.LlamaForCausalLM(transformers.LlamaConfig(**config)).train()
+    return transformers.Qwen2ForCausalLM(transformers.Qwen2Config(**config)).train()
+
+
+def _batch(length, batch=8):
+    ids = torch.randint(0, 256, (batch, length), generator=torch.Generator().manual_seed(length))
+    return {"input_ids": ids, "labels": ids}
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("mode", [None, "module"])
+def test_five_sequence_lengths_over_twenty_steps_make_at_most_two_plans(monkeypatch, mode):
+    """An HF causal LM fed five sequence lengths in turn, planned on its first call: at
+    most two plans, every real step measured by the allocator within the budget, and
+    every loss and gradient the plain model's."""
+    made = _counting(monkeypatch)
+    model = _causal_lm("qwen2")
+    plain = copy.deepcopy(model)
+    roomy = solver.optimize(model, 1.0, example_inputs=_batch(64), mode=mode)
+    budget = 0.6 * roomy.report.store_all_peak_bytes / 2**30
+    made.clear()
+    fast = solver.optimize(model, budget, mode=mode, watch="every")
+    lengths = [40, 24, 64, 48, 32] * 4
+    for length in lengths:
+        batch = _batch(length)
+        loss = fast(**batch).loss
+        got = _grads(model, loss)
+        want_loss = plain(**batch).loss
+        torch.testing.assert_close(loss, want_loss)
+        torch.testing.assert_close(got, _grads(plain, want_loss))
+    settle_open_judges()  # the last step's measurement closes at the next call or optimizer step
+    assert len(made) <= 2
+    steps = list(fast.remat_steps.values())
+    peaks = [p for s in steps for p in s.step_peaks]
+    assert len(peaks) == len(lengths)
+    assert max(peaks) <= fast.report.budget_bytes
+
+
+# ---------------------------------------------------------------- budgets below what every step holds
+
+class _Unused(nn.Module):
+    """A trainable layer that the forward never reads: it gets no gradient."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.used, self.unused = nn.Linear(64, 64), nn.Linear(512, 512)
+
+    def forward(self, x):
+        return self.used(x)
+
+
+def test_gradients_of_parameters_the_forward_does_not_read_are_not_counted():
+    model, x = _Unused(), torch.randn(8, 64)
+    floor, what = resident_floor(model, (x,))
+    params = sum(p.numel() * p.element_size() for p in model.parameters())
+    used = sum(p.numel() * p.element_size() for p in model.used.parameters())
+    assert floor == params + used + x.numel() * x.element_size()
+    assert "gradients" in what
+    with pytest.raises(solver.InfeasibleBudget, match="checked before capture") as caught:
+        refuse_below_resident(model, floor - 1, (x,))
+    assert caught.value.smallest_feasible_bytes == floor
+    refuse_below_resident(model, floor, (x,))
