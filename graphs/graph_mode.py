@@ -405,7 +405,7 @@ class ScheduledStep:
     Attributes
     ----------
     saved : list of str
-        The values the forward keeps for backward (``host_...``: host copies).
+        The values the forward keeps for backward (``host:...``: host copies).
     transfers : list of graphs.rewrite.Transfer
         The offloads it runs.
     inductor_graphs : dict

@@ -660,7 +660,9 @@ def _placeholder_name(key: str) -> str:
     return key.replace(_RNG_KEY, "rng_state_").replace(_HOST_KEY, "host_")
 
 
-_EVENT_ORDER = {"arrive": 0, "send": 1, "release": 2, "fetch": 3}  # of the events at one slot
+# the order of the events at one slot: a fetch before its arrival, a value back before it
+# leaves again, a send before its release (a release sits after an op, a fetch before one)
+_EVENT_ORDER = {"fetch": 0, "arrive": 1, "send": 2, "release": 3}
 
 
 def _transfer_events(offloads: Sequence[Transfer], nodes: dict[str, fx.Node], fwd_outs: Sequence,

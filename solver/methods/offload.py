@@ -146,7 +146,9 @@ def offload_windows(graph: ComputeGraph, sequence: Sequence[Hashable]) -> list[O
     step for outputs); between two consecutive uses ``a < b`` it can leave at step
     ``a + 1`` (at ``a`` itself when ``a`` is a read: the op and the transfer both only
     read the copy) and must be back by step ``b - 1``. Windows too short to free any step
-    are left out. O(len(sequence) x mean in-degree).
+    are left out, and so are values whose memory an offload cannot free: a forward
+    output (the caller holds it through the step) and an output gradient (``op`` is
+    ``"tangent"``: autograd hands it over). O(len(sequence) x mean in-degree).
 
     Examples
     --------
@@ -173,7 +175,7 @@ def offload_windows(graph: ComputeGraph, sequence: Sequence[Hashable]) -> list[O
     out: list[OffloadWindow] = []
     for k, (v, start, reads) in enumerate(copies):
         b = int(nodes[v]["bytes"])
-        if b <= 0:
+        if b <= 0 or _held_outside(nodes[v]):
             continue
         uses = [start] + reads
         if nodes[v].get("output", False) and current.get(v) == k:
@@ -184,6 +186,11 @@ def offload_windows(graph: ComputeGraph, sequence: Sequence[Hashable]) -> list[O
             if last - first >= 2:
                 out.append(OffloadWindow(v, b, first, last))
     return out
+
+
+def _held_outside(d: dict) -> bool:
+    """Is a value held outside the step's graphs (so offloading it frees nothing)?"""
+    return (d.get("output", False) and d.get("phase") == "forward") or d.get("op") == "tangent"
 
 
 # ---------------------------------------------------------------------------- planning
