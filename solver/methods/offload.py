@@ -54,6 +54,7 @@ __all__ = [
     "OffloadWindow",
     "breakeven_bandwidth",
     "offload",
+    "offload_summary",
     "offload_windows",
     "plan_offloads",
     "resolve_bandwidth",
@@ -649,6 +650,55 @@ def offload(
     schedule = best[1]
     schedule.info["offloaded_bytes"] = int(sum(graph[o.node]["bytes"] for o in schedule.offloads))
     return schedule
+
+
+# ---------------------------------------------------------------------------- summary
+def offload_summary(graph: ComputeGraph, schedule: Schedule, *, bandwidth: float | None = None) -> dict:
+    """What a schedule's offloads move and how much of their time hides behind compute,
+    as :func:`solver.simulate` charges it.
+
+    Parameters
+    ----------
+    graph : ComputeGraph
+    schedule : Schedule
+    bandwidth : float, optional
+        Host-link bytes per time unit (default ``schedule.bandwidth``).
+
+    Returns
+    -------
+    dict
+        ``offloads`` (count), ``offloaded_bytes`` (bytes sent, and fetched back),
+        ``link_time`` (time units the link is busy: per step the longer of its two
+        directions), ``exposed_time`` (what the transfers add to the step's time),
+        ``hidden_fraction`` (``1 - exposed / link``; 1.0 when nothing moves).
+
+    Examples
+    --------
+    >>> from solver.synthetic import training_chain
+    >>> g = training_chain(4, fwd_bytes=10)
+    >>> offs = [Offload("f0", 0, 7)]
+    >>> offload_summary(g, Schedule(list(g.order), offloads=offs, bandwidth=10.0))["hidden_fraction"]
+    1.0
+    >>> offload_summary(g, Schedule(list(g.order), offloads=offs, bandwidth=5.0))["exposed_time"]
+    1.0
+    """
+    bw = schedule.bandwidth if bandwidth is None else bandwidth
+    seq = schedule.sequence
+    n = len(seq)
+    d2h, h2d = np.zeros(n), np.zeros(n)
+    for o in schedule.offloads:
+        d2h[o.after + 1] += graph[o.node]["bytes"]
+        h2d[o.before - 1] += graph[o.node]["bytes"]
+    moved = int(d2h.sum())
+    if not moved or not bw:
+        return {"offloads": len(schedule.offloads), "offloaded_bytes": moved, "link_time": 0.0,
+                "exposed_time": 0.0, "hidden_fraction": 1.0}
+    link = np.maximum(d2h, h2d) / bw
+    compute = simulate(graph, list(seq)).cost
+    exposed = max(0.0, simulate(graph, schedule, bandwidth=bw).cost - compute)
+    total = float(link.sum())
+    return {"offloads": len(schedule.offloads), "offloaded_bytes": moved, "link_time": total,
+            "exposed_time": exposed, "hidden_fraction": max(0.0, 1.0 - exposed / total) if total else 1.0}
 
 
 # ---------------------------------------------------------------------------- break-even
