@@ -69,6 +69,7 @@ def optimize(
     compiler: str = "eager",
     loss_fn: Callable[[Any], torch.Tensor] | None = None,
     watch: str = "auto",
+    offload: bool = False,
 ) -> nn.Module:
     """Return a drop-in module whose training step fits ``budget_gb``.
 
@@ -188,6 +189,12 @@ def optimize(
         the first step of each plan on CPU (the profiler's allocation events); a step
         over the budget makes the next call plan again with the excess held back, with
         a warning and a report note (``report.step_peak_bytes``).
+    offload : bool
+        Graph mode with ``method="auto"``: values may also go to host memory and back
+        where that is cheaper than recomputing them, at the host link's bandwidth as a
+        few copies measure it (:mod:`solver.offloading`); a report note gives the bytes
+        offloaded, the link time and how much of it hides behind compute. On CPU the
+        host is emulated outside the allocator (:mod:`graphs.host_pool`).
 
     Returns
     -------
@@ -244,7 +251,7 @@ def optimize(
                        optimizer=optimizer, self_check=self_check, blocks=blocks, measure_time=measure_time, world_size=world_size, mesh=mesh,
                        sharding=sharding, sharding_options=sharding_options, planned_now=example_inputs is not None,
                        loss_fn=loss_fn, watch=watch)
-    request = dataclasses.replace(request, mode_pinned=pinned)
+    request = dataclasses.replace(request, mode_pinned=pinned, offload=bool(offload))
     session = Session(loss_fn=loss_fn)
     planner = functools.partial(plan_step, request=request, session=session)
 

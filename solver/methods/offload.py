@@ -522,6 +522,7 @@ def offload(
     mode: str = "both",
     exact: bool | None = None,
     levels: int = 4,
+    bases: Sequence[Sequence[Hashable]] = (),
 ) -> Schedule:
     """Store, recompute or offload each value so that the step fits the budget.
 
@@ -546,6 +547,10 @@ def offload(
     levels : int
         Intermediate budgets between ``budget_bytes`` and the store-all peak at which
         recompute-only schedules are combined with offload.
+    bases : sequence of sequences, optional
+        More recompute-only sequences to combine with offload (another method's
+        schedule, e.g. ``auto``'s): the result then costs no more than any of them that
+        fits the budget.
 
     Returns
     -------
@@ -579,22 +584,25 @@ def offload(
     deadline = t0 + (30.0 if time_limit is None else float(time_limit))
     store_all_seq = list(graph.order)
     top = simulate(graph, store_all_seq).peak_bytes
+    extra_bases = bases
 
-    bases: list[tuple[int | None, list[Hashable]]] = []
+    given: list[tuple[int | None, list[Hashable]]] = []
     if mode != "recompute":
-        bases.append((None, store_all_seq))
+        given.append((None, store_all_seq))
     if mode != "offload" and top > budget:
         grid = [budget] if mode == "recompute" else sorted(
             {int(budget + f * (top - budget)) for f in np.linspace(0, 1, levels + 2)[:-1]}
         )
         for b in grid:
             for seq in _recompute_sequences(graph, b, deadline=deadline):
-                bases.append((b, seq))
+                given.append((b, seq))
 
     # grade every distinct base once; offloads never make a base cheaper than its compute
+    if mode != "offload":
+        given.extend((budget, list(seq)) for seq in extra_bases)
     graded: list[tuple[float, int | None, list[Hashable], int]] = []
     seen: set[tuple] = set()
-    for level, seq in bases:
+    for level, seq in given:
         key = tuple(seq)
         if key in seen:
             continue

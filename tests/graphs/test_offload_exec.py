@@ -4,6 +4,7 @@ the simulator's prediction; every offload window honoured by the rewritten graph
 
 from __future__ import annotations
 
+import contextlib
 import functools
 
 import pytest
@@ -53,12 +54,13 @@ def _captured(name):
     return model, args, loss_fn, cg
 
 
-def _step(model, args, loss_fn, run):
+def _step(model, args, loss_fn, run, *, judged=True):
     """Loss, gradients and the allocator's peak of one training step (the same draws)."""
     for p in model.parameters():
         p.grad = None
     torch.manual_seed(1)
-    with AllocatorPeak(model, args) as judge:
+    judge = AllocatorPeak(model, args) if judged else None
+    with judge or contextlib.nullcontext():
         out = run()
         loss = loss_fn(out)
         loss.backward()
@@ -66,7 +68,7 @@ def _step(model, args, loss_fn, run):
     grads = [p.grad.clone() for p in model.parameters()]
     for p in model.parameters():
         p.grad = None
-    return loss.detach(), grads, judge.peak_bytes
+    return loss.detach(), grads, judge.peak_bytes if judged else None
 
 
 def _runs_as_planned(name, schedule, budget):
@@ -269,3 +271,31 @@ def _check_windows(fg, bg, trs):
 
 def _aliases(n):
     return n.op == "call_function" and _is_view(n)
+
+
+@pytest.mark.slow
+def test_optimize_with_offload_lets_auto_offload_and_the_real_step_fits():
+    import solver
+    from graphs.units import GiB
+
+    model, args, loss_fn = _gpt()
+    want_loss, want, plain = _step(model, args, loss_fn, lambda: model(*args))
+    budget = 0.5 * plain
+    fast = solver.optimize(model, budget / GiB, args, mode="graph", loss_fn=loss_fn, measure_time=False,
+                           offload=True)
+    report = fast.report
+    assert report.schedule.offloads and report.method == "offload"
+    assert any(n.startswith("offload: ") and "hidden behind compute" in n for n in report.notes)
+    recompute_only = solver.optimize(model, budget / GiB, args, mode="graph", loss_fn=loss_fn, measure_time=False)
+    assert report.predicted_overhead < recompute_only.report.predicted_overhead
+    loss, grads, _ = _step(model, args, loss_fn, lambda: fast(*args), judged=False)  # (the module judges its step)
+    assert torch.equal(loss, want_loss) and all(torch.equal(a, b) for a, b in zip(grads, want))
+    opt = torch.optim.SGD(fast.parameters(), lr=0.0)
+    out = fast(*args)
+    loss_fn(out).backward()
+    del out
+    opt.step()  # ends the measurement of the step
+    opt.zero_grad(set_to_none=True)
+    real = fast.report.step_peak_bytes
+    assert real is not None and real <= budget, (real, budget)
+    assert abs(real - report.predicted_peak_bytes) <= 0.02 * real
