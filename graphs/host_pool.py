@@ -13,12 +13,14 @@ calls of this module into the forward and backward graphs:
   start the copy back;
 * :func:`arrived` (after that op): the value as the ops that read it next see it.
 
-On CUDA the host copy is pinned memory, both copies are non-blocking on one side stream
-per device, and events order the streams: the side stream waits for the compute stream
+On CUDA the host copy is pinned memory and both copies are non-blocking, each direction
+on a side stream of its own (the two run concurrently, as the simulator's link model
+has it), and events order the streams: a side stream waits for the compute stream
 before it reads a value or writes into fresh memory; the device copy of a sent value is
-marked as used by the side stream (``record_stream``), so its memory is not reused before
-the copy has left; and the compute stream waits for a fetch's event in :func:`arrived`,
-so nothing reads a value before it is back.
+marked as used by its side stream (``record_stream``), so its memory is not reused
+before the copy has left; a fetch waits for its value's copy to the host; and the
+compute stream waits for a fetch's event in :func:`arrived`, so nothing reads a value
+before it is back.
 
 On CPU device and host share one allocator, so an offload could not show in the
 allocator's peak. The host is *emulated*: a host copy is a NumPy-owned buffer wrapped by
@@ -60,6 +62,7 @@ __all__ = ["HostStats", "arrived", "fetch", "host_stats", "measure_host_bandwidt
 log = logging.getLogger(__name__)
 
 _ARRIVAL = "_remat_arrival"  # attribute of a fetched CUDA tensor: the event its copy records
+_LEFT = "_remat_left"  # attribute of a CUDA value's host copy: the event its copy to the host records
 _lock = threading.Lock()
 _side_streams: dict[Any, Any] = {}
 
@@ -149,20 +152,22 @@ def _emulated_host(n: int, dtype: torch.dtype) -> torch.Tensor:
     return flat.view(dtype) if dtype != torch.uint8 else flat
 
 
-def _side_stream(device: torch.device) -> Any:
+def _side_stream(device: torch.device, direction: str) -> Any:
+    """The stream of one direction of ``device``'s host link (``"out"`` or ``"in"``)."""
     with _lock:
-        stream = _side_streams.get(device)
+        stream = _side_streams.get((device, direction))
         if stream is None:
-            stream = _side_streams[device] = torch.cuda.Stream(device)
+            stream = _side_streams[(device, direction)] = torch.cuda.Stream(device)
         return stream
 
 
 def send(x: torch.Tensor) -> torch.Tensor:
     """Start copying ``x`` to host memory; the host copy (same shape, strides, dtype).
 
-    On CUDA, pinned memory written by a non-blocking copy on the device's side stream,
-    after everything the compute stream has queued; ``x``'s memory is not reused before
-    the copy is done. On CPU, an emulated host buffer (see the module's notes).
+    On CUDA, pinned memory written by a non-blocking copy on the device's outgoing side
+    stream, after everything the compute stream has queued; ``x``'s memory is not
+    reused before the copy is done. On CPU, an emulated host buffer (see the module's
+    notes).
     """
     if not isinstance(x, torch.Tensor) or x.layout != torch.strided:
         raise RematError(f"only strided tensors can be offloaded, got {type(x).__name__}; plan this value "
@@ -170,11 +175,13 @@ def send(x: torch.Tensor) -> torch.Tensor:
     n = _span(x.shape, x.stride())
     if x.device.type == "cuda":
         host = torch.empty(n, dtype=x.dtype, pin_memory=True)
-        stream = _side_stream(x.device)
-        stream.wait_stream(torch.cuda.current_stream(x.device))
+        stream = _side_stream(x.device, "out")
+        stream.wait_stream(torch.cuda.current_stream(x.device))  # x is made
         with torch.cuda.stream(stream):
             host.copy_(_flat(x, n), non_blocking=True)
-        x.record_stream(stream)
+            left = torch.cuda.Event()
+            left.record(stream)
+        x.record_stream(stream)  # x's memory is not reused before the copy has read it
         nbytes = n * x.element_size()
         weakref.finalize(host, _released, nbytes)
     else:
@@ -186,13 +193,16 @@ def send(x: torch.Tensor) -> torch.Tensor:
         _stats.peak_bytes = max(_stats.peak_bytes, _stats.held_bytes)
         _stats.sent_bytes += nbytes
         _stats.sends += 1
-    return host.as_strided(x.shape, x.stride(), 0)
+    out = host.as_strided(x.shape, x.stride(), 0)
+    if x.device.type == "cuda":
+        setattr(out, _LEFT, left)
+    return out
 
 
 @fx.node.has_side_effect
-def sent(x: torch.Tensor, after: Any = None) -> None:
-    """The last use of a sent value's device copy (``after``: the op it stays alive
-    through); the graph frees the copy after this call."""
+def sent(x: torch.Tensor) -> None:
+    """The last use of a sent value's device copy, placed after the op it stays alive
+    through: the graph frees the copy after this call."""
 
 
 def fetch(host: torch.Tensor, device: torch.device) -> torch.Tensor:
@@ -202,8 +212,13 @@ def fetch(host: torch.Tensor, device: torch.device) -> torch.Tensor:
     n = _span(host.shape, host.stride())
     out = torch.empty(n, dtype=host.dtype, device=device)
     if device.type == "cuda":
-        stream = _side_stream(device)
+        stream = _side_stream(device, "in")
         stream.wait_stream(torch.cuda.current_stream(device))  # fresh memory: its last readers are done
+        left = host.__dict__.get(_LEFT)
+        if left is not None:
+            stream.wait_event(left)  # the host copy is written
+        else:  # (a host copy that lost its event: wait for every copy to the host)
+            stream.wait_stream(_side_stream(device, "out"))
         with torch.cuda.stream(stream):
             out.copy_(_flat(host, n), non_blocking=True)
             event = torch.cuda.Event()
@@ -219,9 +234,9 @@ def fetch(host: torch.Tensor, device: torch.device) -> torch.Tensor:
     return y
 
 
-def arrived(y: torch.Tensor, after: Any = None) -> torch.Tensor:
+def arrived(y: torch.Tensor) -> torch.Tensor:
     """``y`` once its fetch is done: on CUDA the compute stream waits for the fetch's
-    event here (``after``: the op the fetch overlaps)."""
+    event here (placed after the op that the fetch overlaps)."""
     event = y.__dict__.pop(_ARRIVAL, None) if y.device.type == "cuda" else None
     if event is not None:
         torch.cuda.current_stream(y.device).wait_event(event)
