@@ -423,7 +423,7 @@ def schedule_graphs(
     away: set[str] = set()  # offloaded values not back yet
 
     def resolve_forward(u: fx.Node) -> fx.Node:
-        _not_away(u, away)
+        _not_away(u, away, fenv)
         if u.op == "call_function" and (u.name not in scheduled or _is_view(u)):
             return _emit(fg, u, fenv, scheduled, resolve_forward)
         raise RewriteError(f"forward reads {u.name!r} before the schedule computes it")
@@ -506,7 +506,7 @@ def schedule_graphs(
         return ph
 
     def resolve_backward(u: fx.Node) -> fx.Node:
-        _not_away(u, away)
+        _not_away(u, away, benv)
         if u.op == "call_function" and u.name not in scheduled:
             if _is_multi_output(u) or all(w.name in benv for w in u.all_input_nodes) or u.name not in fenv:
                 return _emit(bg, u, benv, scheduled, resolve_backward)
@@ -645,12 +645,13 @@ def _forget_derived(node: fx.Node, env: dict[str, fx.Node], scheduled: set[str])
                 stack.extend(user.users)
 
 
-def _not_away(u: fx.Node, away: set[str]) -> None:
-    """Refuse to read ``u`` (or a view of it) while it is on the host."""
+def _not_away(u: fx.Node, away: set[str], env: dict[str, fx.Node]) -> None:
+    """Refuse to read ``u`` (or a view of it) while it is on the host (and not computed
+    again here)."""
     base = u
     while _is_view(base) and base.all_input_nodes:
         base = base.all_input_nodes[0]
-    if base.name in away:
+    if base.name in away and base.name not in env:
         raise RewriteError(f"an op reads {u.name!r} while {base.name!r} is on the host (between its offload "
                            "and its fetch); the schedule's offload windows must not contain its reads")
 
@@ -718,8 +719,9 @@ def _fire(g: fx.Graph, env: dict[str, fx.Node], kind: str, k: int, tr: Transfer,
         y = g.call_function(host_pool.arrived, (pending.pop(("fetch", k)),))
         y.meta["val"] = node.meta.get("val")
         y.meta["remat_transfer"] = ("arrive", name, k)
-        env[name] = y
-        _forget_derived(node, env, scheduled)
+        if name not in env:  # (a copy computed again while this one was away is the later one)
+            env[name] = y
+            _forget_derived(node, env, scheduled)
         away.discard(name)
 
 
