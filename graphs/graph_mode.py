@@ -36,7 +36,7 @@ from graphs.compute_graph import BACKWARD_START, ComputeGraph
 from graphs.costs import _tensor_storage_bytes, annotate_storage
 from graphs.errors import RematError
 from graphs.planned import Planner, input_signature, wrap_planned
-from graphs.rewrite import _is_view, boxed, partition_by_schedule
+from graphs.rewrite import _is_view, boxed, partition_by_schedule, transfers
 from graphs.torch_internals import (FakeTensorMode, aot_compile_joint, clear_saved_tensors, detect_fake_mode,
                                      inductor_compile, is_op_overload, tree_flatten, tree_unflatten)
 
@@ -373,6 +373,11 @@ class ScheduledStep:
         it ends, on top of what is live when it starts, and is cut where that would go
         over; runs of fewer than four ops run eagerly. ``None``: no limit (whole graphs
         compile; fastest, but the peak is inductor's, not the schedule's).
+    offloads : sequence of solver.schedule.Offload
+        The schedule's offloads (indices into ``sequence``): each value goes to host
+        memory and comes back as :mod:`solver.simulate` counts it
+        (:func:`graphs.rewrite.transfers`, :mod:`graphs.host_pool`: pinned memory and a
+        side stream on CUDA, an emulated host outside the allocator on CPU).
 
     A joint graph written from a capture of four alike layers
     (``graph.capture_info.stitched``, :func:`graphs.repeated.stitch_joint`) is cut the
@@ -400,14 +405,16 @@ class ScheduledStep:
     Attributes
     ----------
     saved : list of str
-        The values the forward keeps for backward.
+        The values the forward keeps for backward (``host:...``: host copies).
+    transfers : list of graphs.rewrite.Transfer
+        The offloads it runs.
     inductor_graphs : dict
         With ``compiler="inductor"``: how many segments inductor compiled for the
         ``"forward"`` and the ``"backward"`` graph.
     """
 
     def __init__(self, graph: ComputeGraph, sequence: Sequence[Hashable], *, compiler: str = "eager",
-                 headroom: int | tuple[int, int] | None = 0) -> None:
+                 headroom: int | tuple[int, int] | None = 0, offloads: Sequence[Any] = ()) -> None:
         if compiler not in COMPILERS:
             raise RematError(f"compiler must be one of {COMPILERS}, got {compiler!r}")
         info = graph.capture_info
@@ -416,7 +423,7 @@ class ScheduledStep:
         self.compiler = compiler
         self.inductor_graphs: dict[str, int] = {}
         # steps without an fx node (where the backward starts) only constrain the order
-        self.sequence = [str(s) for s in sequence if s != BACKWARD_START]
+        self.sequence, self.transfers = transfers(sequence, offloads, skip=(BACKWARD_START,))
         self.saved: list[str] = []
         self.info = info
         self._warned = False  # of a model changed since its capture
@@ -431,7 +438,7 @@ class ScheduledStep:
                                  "compiler='inductor' plans on a capture of the whole step")
             written = info.stitched
             self.params_spec, self.buffers_spec = list(written.params_spec), list(written.buffers_spec)
-            fw, bw, self.saved = partition_by_schedule(graph.fx, self.sequence,
+            fw, bw, self.saved = partition_by_schedule(graph.fx, self.sequence, offloads=self.transfers,
                                                         num_fwd_outputs=written.num_fwd_outputs)
             self.fn = _plain_step(boxed(fw), boxed(bw), written.num_fwd_outputs)
             return
@@ -441,7 +448,8 @@ class ScheduledStep:
         self.fn = aot_compile_joint(jd, partition_fn=self._partition, fw_compiler=fw_comp, bw_compiler=bw_comp)
 
     def _partition(self, joint, joint_inputs, *, num_fwd_outputs, **_):
-        fw, bw, saved = partition_by_schedule(joint, self.sequence, num_fwd_outputs=num_fwd_outputs)
+        fw, bw, saved = partition_by_schedule(joint, self.sequence, num_fwd_outputs=num_fwd_outputs,
+                                              offloads=self.transfers)
         self.saved = saved
         return fw, bw
 

@@ -22,6 +22,17 @@ runs the op and puts the generator back as it was, so the draws of the step as a
 are those of eager. A multi-output random op is run by its projections: a projection
 that starts a run of the op replays the state, one that continues the run does not.
 
+An offload (:class:`Transfer`, from a schedule's windows by :func:`transfers`) runs as the
+simulator (:mod:`solver.simulate`) counts it: the copy to the host starts before the op
+of its transfer-out step and the device copy is dropped after that op (the op may still
+read it); the copy back starts before the op of its transfer-in step and is the value
+that later ops read from after that op. Between the two, no op reads the value: the
+rewrite refuses a schedule that would (:class:`RewriteError`). The host copy is a
+value of the graphs like any other, saved for backward when the window spans the end of
+the forward; views of an offloaded value are derived again from the copy that comes
+back. The transfers themselves are :mod:`graphs.host_pool`'s (side stream and events on
+CUDA, an emulated host on CPU).
+
 A schedule names the ops of a :class:`~graphs.ComputeGraph` whose node ids are the joint
 graph's node names. Joint nodes the schedule does not name (``getitem`` projections of a
 multi-output op, symbolic-size nodes) are recomputed on demand next to their user.
@@ -38,13 +49,15 @@ from typing import Hashable, Iterable, Sequence
 import torch
 import torch.fx as fx
 
+from graphs import host_pool
 from graphs.capture import node_draws
 from graphs.errors import RematError
 from graphs.fixed import charge
-from graphs.torch_internals import boxed_codegen, fake_value, is_op_overload, lazy_graph_module, op_schema
+from graphs.torch_internals import (FakeTensorMode, boxed_codegen, detect_fake_mode, fake_value, is_op_overload,
+                                     lazy_graph_module, op_schema)
 
 __all__ = ["RewriteError", "partition_by_schedule", "schedule_graphs", "boxed", "rng_state_bytes", "replay_random_ops", "RandomReplay",
-           "random_replay"]
+           "random_replay", "Transfer", "transfers"]
 
 log = logging.getLogger(__name__)
 
@@ -192,6 +205,103 @@ def replay_random_ops(graph) -> int:
     return len(random)
 
 
+_HOST_KEY = "host:"  # env key of the host copy of an offloaded value
+
+
+@dataclass(frozen=True)
+class Transfer:
+    """One offload as the rewrite runs it, in *slots* of the rewritten sequence (slot
+    ``2 i`` is just before the op of step ``i``, slot ``2 i + 1`` just after it, slot
+    ``2 len(sequence)`` the end).
+
+    Attributes
+    ----------
+    node : str
+        The offloaded value.
+    send, release : int
+        Slots where the copy to the host starts and where the device copy is dropped.
+    fetch, arrive : int
+        Slots where the copy back starts and where ops may read it again.
+
+    Examples
+    --------
+    >>> Transfer("relu", send=4, release=5, fetch=10, arrive=11).window
+    (5, 11)
+    """
+
+    node: str
+    send: int
+    release: int
+    fetch: int
+    arrive: int
+
+    @property
+    def window(self) -> tuple[int, int]:
+        """The slots between which no op reads the value (exclusive, inclusive)."""
+        return self.release, self.arrive
+
+
+def transfers(sequence: Sequence[Hashable], offloads: Iterable, *,
+              skip: Iterable[Hashable] = ()) -> tuple[list[str], list[Transfer]]:
+    """A schedule's sequence without the steps that have no op to run (``skip``, such as
+    :data:`graphs.compute_graph.BACKWARD_START`), and its offloads as :class:`Transfer`
+    slots of that sequence.
+
+    An :class:`~solver.schedule.Offload` ``(node, after, before)`` sends during step
+    ``after + 1`` and fetches during step ``before - 1``, as :mod:`solver.simulate`
+    charges it: the send starts before that step's op and the device copy is dropped
+    after it; the fetch starts before its step's op and the value is read from after
+    it. A send at a skipped step happens after the op before it (the value leaves no
+    later than the simulator says); a fetch at a skipped step before the op after it
+    (it arrives no earlier than needed, and before that op reads it).
+
+    Raises
+    ------
+    RewriteError
+        An offload's steps are out of the sequence, or it names a skipped step.
+
+    Examples
+    --------
+    >>> from types import SimpleNamespace as Off
+    >>> seq, ts = transfers(["a", "b", "<bw>", "c", "d"], [Off(node="a", after=0, before=4)], skip={"<bw>"})
+    >>> seq, ts
+    (['a', 'b', 'c', 'd'], [Transfer(node='a', send=2, release=3, fetch=4, arrive=5)])
+    >>> transfers(["a", "b", "<bw>", "c", "d"], [Off(node="a", after=1, before=4)], skip={"<bw>"})[1]
+    [Transfer(node='a', send=3, release=3, fetch=4, arrive=5)]
+    """
+    skip = set(skip)
+    full = list(sequence)
+    index: list[int | None] = []
+    kept: list[str] = []
+    for s in full:
+        if s in skip:
+            index.append(None)
+        else:
+            index.append(len(kept))
+            kept.append(str(s))
+    out = []
+    for off in offloads:
+        node, after, before = off.node, int(off.after), int(off.before)
+        if not (0 <= after and after + 1 < before <= len(full)):
+            raise RewriteError(f"the offload of {node!r} needs 0 <= after < before - 1 < {len(full)} (the "
+                               f"sequence's length), got after={after}, before={before}")
+        if node in skip:
+            raise RewriteError(f"the offload names {node!r}, a step without a value")
+        out_step, in_step = after + 1, before - 1
+        if index[out_step] is not None:
+            send, release = 2 * index[out_step], 2 * index[out_step] + 1
+        else:
+            prev = next((index[t] for t in range(out_step, -1, -1) if index[t] is not None), None)
+            send = release = 0 if prev is None else 2 * prev + 1
+        if index[in_step] is not None:
+            fetch, arrive = 2 * index[in_step], 2 * index[in_step] + 1
+        else:
+            nxt = next((index[t] for t in range(in_step, len(full)) if index[t] is not None), len(kept))
+            fetch = arrive = 2 * nxt
+        out.append(Transfer(str(node), send, release, fetch, arrive))
+    return kept, out
+
+
 def _drawing_op(node: fx.Node) -> fx.Node | None:
     """The op whose run draws random numbers when ``node`` runs: ``node`` itself, or for
     a projection (``getitem``) the multi-output op it runs; None if nothing draws."""
@@ -232,6 +342,7 @@ def partition_by_schedule(
     sequence: Sequence[Hashable],
     *,
     num_fwd_outputs: int,
+    offloads: Sequence[Transfer] = (),
 ) -> tuple[fx.GraphModule, fx.GraphModule, list[str]]:
     """Cut a joint graph into forward and backward graphs that run ``sequence``.
 
@@ -243,6 +354,8 @@ def partition_by_schedule(
         The schedule's steps (op nodes only; a repeated name is a recomputation).
     num_fwd_outputs : int
         How many of the joint graph's outputs belong to the forward.
+    offloads : sequence of Transfer
+        The offloads to run, in slots of ``sequence`` (:func:`transfers`).
 
     Returns
     -------
@@ -255,9 +368,9 @@ def partition_by_schedule(
     Raises
     ------
     RewriteError
-        A step reads a value that no earlier step made.
+        A step reads a value that no earlier step made, or that is on the host.
     """
-    fg, bg, saved = schedule_graphs(joint, sequence, num_fwd_outputs=num_fwd_outputs)
+    fg, bg, saved = schedule_graphs(joint, sequence, num_fwd_outputs=num_fwd_outputs, offloads=offloads)
     # their code is generated once, when first run
     return lazy_graph_module(joint, fg), lazy_graph_module(joint, bg), saved
 
@@ -267,6 +380,7 @@ def schedule_graphs(
     sequence: Sequence[Hashable],
     *,
     num_fwd_outputs: int,
+    offloads: Sequence[Transfer] = (),
 ) -> tuple[fx.Graph, fx.Graph, list[str]]:
     """:func:`partition_by_schedule`'s forward and backward as bare ``fx.Graph`` objects,
     without their Python code: what an ``fx.Interpreter`` runs
@@ -306,7 +420,10 @@ def schedule_graphs(
     fenv: dict[str, fx.Node] = {}
     for p in primals:
         fenv[p.name] = _copy_placeholder(fg, p)
+    away: set[str] = set()  # offloaded values not back yet
+
     def resolve_forward(u: fx.Node) -> fx.Node:
+        _not_away(u, away, fenv)
         if u.op == "call_function" and (u.name not in scheduled or _is_view(u)):
             return _emit(fg, u, fenv, scheduled, resolve_forward)
         raise RewriteError(f"forward reads {u.name!r} before the schedule computes it")
@@ -346,10 +463,20 @@ def schedule_graphs(
     def no_saved_state(key: str) -> fx.Node:
         raise RewriteError(f"{key[len(_RNG_KEY):]!r} runs again before it first ran")
 
+    events = _transfer_events(offloads, nodes, fwd_outs, len(seq))
+    pending: dict[tuple, fx.Node] = {}
+
+    def fire(g: fx.Graph, env: dict, slot: int, resolve, saved_state) -> None:
+        for kind, k, tr in events.get(slot, ()):
+            _fire(g, env, kind, k, tr, nodes=nodes, scheduled=scheduled, pending=pending, away=away,
+                  resolve=resolve, saved_state=saved_state, like=placeholders)
+
     for i, s in enumerate(fwd_steps):
         if nodes[s].op == "placeholder":
             raise RewriteError(f"the schedule runs {s!r} (an input of backward) before the forward outputs")
+        fire(fg, fenv, 2 * i, resolve_forward, no_saved_state)
         run_step(fg, fenv, i, s, resolve_forward, no_saved_state)
+        fire(fg, fenv, 2 * i + 1, resolve_forward, no_saved_state)
     for o in fwd_outs:
         if isinstance(o, fx.Node) and o.name not in fenv:
             resolve_forward(o)
@@ -365,18 +492,21 @@ def schedule_graphs(
 
     def from_forward(u: fx.Node | str) -> fx.Node:
         name = u if isinstance(u, str) else u.name
+        if name not in fenv:
+            raise RewriteError(f"backward reads {name!r} before the schedule computes it")
         saved.append(name)
         if first_tangent is not None:
             with bg.inserting_before(first_tangent):
-                ph = bg.placeholder(name.replace(_RNG_KEY, "rng_state_"))
+                ph = bg.placeholder(_placeholder_name(name))
         else:
-            ph = bg.placeholder(name.replace(_RNG_KEY, "rng_state_"))
+            ph = bg.placeholder(_placeholder_name(name))
         ph.meta = dict(fenv[name].meta)
         benv[name] = ph
         saved_ph[name] = ph
         return ph
 
     def resolve_backward(u: fx.Node) -> fx.Node:
+        _not_away(u, away, benv)
         if u.op == "call_function" and u.name not in scheduled:
             if _is_multi_output(u) or all(w.name in benv for w in u.all_input_nodes) or u.name not in fenv:
                 return _emit(bg, u, benv, scheduled, resolve_backward)
@@ -391,9 +521,13 @@ def schedule_graphs(
         raise RewriteError(f"backward reads {u.name!r} before the schedule computes it")
 
     for i, s in enumerate(bwd_steps, start=len(fwd_steps)):
-        if nodes[s].op == "placeholder":  # a tangent: an input of the backward graph
-            continue
-        run_step(bg, benv, i, s, resolve_backward, from_forward)
+        fire(bg, benv, 2 * i, resolve_backward, from_forward)
+        if nodes[s].op != "placeholder":  # (a tangent is an input of the backward graph)
+            run_step(bg, benv, i, s, resolve_backward, from_forward)
+        fire(bg, benv, 2 * i + 1, resolve_backward, from_forward)
+    fire(bg, benv, 2 * len(seq), resolve_backward, from_forward)
+    if pending:
+        raise RewriteError(f"the offload of {next(iter(pending.values())).name!r} never completes")
     grad_out = []
     for g in grads:
         if isinstance(g, fx.Node):
@@ -495,15 +629,110 @@ def _emit(g: fx.Graph, node: fx.Node, env: dict[str, fx.Node], scheduled: set[st
     new = g.node_copy(node, lambda n: env[n.name])
     new.meta["remat_source"] = node.name
     env[node.name] = new
-    # unscheduled projections of a recomputed multi-output op must read the new copy,
-    # and so must views: a view of an older copy would keep that copy's storage alive
+    _forget_derived(node, env, scheduled)
+    return new
+
+
+def _forget_derived(node: fx.Node, env: dict[str, fx.Node], scheduled: set[str]) -> None:
+    """Drop from ``env`` the views and unscheduled projections of ``node``'s copy: ops
+    that read them next derive them from its new copy (a view of an older copy would
+    keep that copy's storage alive)."""
     stack = list(node.users)
     while stack:
         user = stack.pop()
         if (_is_projection(user) and user.name not in scheduled) or _is_view(user):
             if env.pop(user.name, None) is not None and _is_view(user):
                 stack.extend(user.users)
-    return new
+
+
+def _not_away(u: fx.Node, away: set[str], env: dict[str, fx.Node]) -> None:
+    """Refuse to read ``u`` (or a view of it) while it is on the host (and not computed
+    again here)."""
+    base = u
+    while _is_view(base) and base.all_input_nodes:
+        base = base.all_input_nodes[0]
+    if base.name in away and base.name not in env:
+        raise RewriteError(f"an op reads {u.name!r} while {base.name!r} is on the host (between its offload "
+                           "and its fetch); the schedule's offload windows must not contain its reads")
+
+
+def _placeholder_name(key: str) -> str:
+    """The backward graph's input name of a saved value's env key."""
+    return key.replace(_RNG_KEY, "rng_state_").replace(_HOST_KEY, "host_")
+
+
+# the order of the events at one slot: a fetch before its arrival, a value back before it
+# leaves again, a send before its release (a release sits after an op, a fetch before one)
+_EVENT_ORDER = {"fetch": 0, "arrive": 1, "send": 2, "release": 3}
+
+
+def _transfer_events(offloads: Sequence[Transfer], nodes: dict[str, fx.Node], fwd_outs: Sequence,
+                     n_steps: int) -> dict[int, list[tuple[str, int, Transfer]]]:
+    """The events of ``offloads`` by slot, in the order they run at a slot."""
+    held = {o.name for o in fwd_outs if isinstance(o, fx.Node)}
+    events: dict[int, list[tuple[str, int, Transfer]]] = {}
+    for k, tr in enumerate(offloads):
+        node = nodes.get(tr.node)
+        if node is None or node.op != "call_function":
+            raise RewriteError(f"the schedule offloads {tr.node!r}, which is not an op of the joint graph")
+        if tr.node in held:
+            raise RewriteError(f"the schedule offloads {tr.node!r}, an output of the forward that the caller "
+                               "holds: its memory cannot be freed; plan it without that offload")
+        if not 0 <= tr.send <= tr.release < tr.fetch <= tr.arrive <= 2 * n_steps:
+            raise RewriteError(f"the offload of {tr.node!r} has its slots out of order: {tr}")
+        for kind in _EVENT_ORDER:
+            events.setdefault(getattr(tr, kind), []).append((kind, k, tr))
+    for evs in events.values():
+        evs.sort(key=lambda e: (_EVENT_ORDER[e[0]], e[1]))
+    return events
+
+
+def _fire(g: fx.Graph, env: dict[str, fx.Node], kind: str, k: int, tr: Transfer, *, nodes: dict[str, fx.Node],
+          scheduled: set[str], pending: dict, away: set[str], resolve, saved_state,
+          like: Sequence[fx.Node]) -> None:
+    """Emit one event of an offload into ``g`` (``env``: that graph's values)."""
+    name, node = tr.node, nodes[tr.node]
+    key = f"{_HOST_KEY}{k}:{name}"
+    if kind == "send":
+        x = env[name] if name in env else resolve(node)
+        host = g.call_function(host_pool.send, (x,))
+        host.meta["val"] = _host_value(node.meta.get("val"), like)
+        host.meta["remat_transfer"] = ("send", name, k)
+        env[key] = host
+        pending[("sent", k)] = x
+    elif kind == "release":
+        x = pending.pop(("sent", k))
+        g.call_function(host_pool.sent, (x,)).meta["remat_transfer"] = ("release", name, k)
+        if env.get(name) is x:  # (not when the step between ran the op again: that copy stays)
+            del env[name]
+            _forget_derived(node, env, scheduled)
+            away.add(name)
+    elif kind == "fetch":
+        host = env.pop(key) if key in env else saved_state(key)
+        val = node.meta.get("val")
+        device = val.device if isinstance(val, torch.Tensor) else torch.device("cpu")
+        y = g.call_function(host_pool.fetch, (host, device))
+        y.meta["val"] = val
+        y.meta["remat_transfer"] = ("fetch", name, k)
+        pending[("fetch", k)] = y
+    else:  # arrive
+        y = g.call_function(host_pool.arrived, (pending.pop(("fetch", k)),))
+        y.meta["val"] = node.meta.get("val")
+        y.meta["remat_transfer"] = ("arrive", name, k)
+        if name not in env:  # (a copy computed again while this one was away is the later one)
+            env[name] = y
+            _forget_derived(node, env, scheduled)
+        away.discard(name)
+
+
+def _host_value(val: object, like: Sequence[fx.Node]) -> object:
+    """The fake value of a host copy of ``val`` (same shape, strides and dtype, on the
+    CPU), in the graph's fake mode: AOTAutograd counts a saved value as a tensor by it."""
+    if not isinstance(val, torch.Tensor):
+        return None
+    mode = detect_fake_mode([n.meta.get("val") for n in like]) or FakeTensorMode(allow_non_fake_inputs=True)
+    with mode:
+        return torch.empty_strided(tuple(val.shape), tuple(val.stride()), dtype=val.dtype, device="cpu")
 
 
 def _derivable(node: fx.Node, env: dict[str, fx.Node]) -> bool:

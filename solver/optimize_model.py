@@ -71,6 +71,7 @@ def optimize(
     loss_fn: Callable[[Any], torch.Tensor] | None = None,
     watch: str = "auto",
     dynamic: bool = True,
+    offload: bool = False,
 ) -> nn.Module:
     """Return a drop-in module whose training step fits ``budget_gb``.
 
@@ -203,6 +204,12 @@ def optimize(
         the call's values repeated to those sizes. The first real step at each new size
         is measured by the allocator (``watch``) and planned again for its own sizes
         when it is over the budget. ``False``: a plan per input signature.
+    offload : bool
+        Graph mode with ``method="auto"``: values may also go to host memory and back
+        where that is cheaper than recomputing them, at the host link's bandwidth as a
+        few copies measure it (:mod:`solver.offloading`); a report note gives the bytes
+        offloaded, the link time and how much of it hides behind compute. On CPU the
+        host is emulated outside the allocator (:mod:`graphs.host_pool`).
 
     Returns
     -------
@@ -259,9 +266,10 @@ def optimize(
                        optimizer=optimizer, self_check=self_check, blocks=blocks, measure_time=measure_time, world_size=world_size, mesh=mesh,
                        sharding=sharding, sharding_options=sharding_options, planned_now=example_inputs is not None,
                        loss_fn=loss_fn, watch=watch)
-    request = dataclasses.replace(request, mode_pinned=pinned)
-    if not isinstance(dynamic, bool):
-        raise OptionError(f"dynamic must be True or False, got {dynamic!r}")
+    for name, value in (("dynamic", dynamic), ("offload", offload)):
+        if not isinstance(value, bool):
+            raise OptionError(f"{name} must be True or False, got {value!r}")
+    request = dataclasses.replace(request, mode_pinned=pinned, offload=offload)
     resizer = functools.partial(resize_step, request=request) if dynamic else None
     session = Session(loss_fn=loss_fn)
     planner = functools.partial(plan_step, request=request, session=session)

@@ -67,6 +67,7 @@ class Request:
     loss_fn: Callable[[Any], Any] | None = None  # the user's loss on the model's output
     watch: str = "auto"  # when the real step is measured (solver.watch.WATCH)
     mode_pinned: bool = False  # mode was given (not None): no fallback to the other mode
+    offload: bool = False  # graph mode's auto may offload values to host memory (solver.offloading)
 
 
 @dataclass(frozen=True)
@@ -548,20 +549,27 @@ def plan_graph(*, cap: Captured, request: Request, session: Session, method: str
     else:
         tolerance = {"gap_tolerance": request.gap_tolerance} if method == "auto" else {}
         schedule = solve(cg, target, method=method, time_limit=request.time_limit, **tolerance)
-    eager = schedule.sequence == list(cg.order)  # the original forward runs it as it is
+    if request.offload and method == "auto":
+        from solver.offloading import with_offload
+        schedule = with_offload(cg, one_run_per_op(cg, schedule, target), target, time_limit=request.time_limit)
+    eager = schedule.sequence == list(cg.order) and not schedule.offloads  # the original forward runs it as it is
     checked = original_peak() if eager and original_peak is not None else None
     if checked is not None:
         checked += untracked_bytes(cg)
     over = checked is not None and checked > cap.budget
     eager = eager and not over  # else the captured store-all schedule, whose memory is the plan's
-    schedule = one_run_per_op(cg, schedule, target)  # (moves views: not a reason to rewrite)
+    if not schedule.offloads:  # (its offloads name steps of its sequence as it is)
+        schedule = one_run_per_op(cg, schedule, target)  # (moves views: not a reason to rewrite)
     solve_s = time.perf_counter() - cap.solve_start
     if eager:
         step = EagerStep()
     else:
-        step = ScheduledStep(cg, schedule.sequence, compiler=request.compiler,
+        step = ScheduledStep(cg, schedule.sequence, compiler=request.compiler, offloads=schedule.offloads,
                              headroom=headroom(cg, schedule, target) if request.compiler != "eager" else 0)
     session.report = _graph_report(cap=cap, schedule=schedule, store_all=store_all, solve_seconds=solve_s)
+    if schedule.offloads:
+        from solver.offloading import offload_note
+        session.report.notes.append(offload_note(cg, schedule))
     _graph_notes(session.report, step=step, eager=eager, over=over, checked=checked, compiler=request.compiler)
     return step
 

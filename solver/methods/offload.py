@@ -54,6 +54,7 @@ __all__ = [
     "OffloadWindow",
     "breakeven_bandwidth",
     "offload",
+    "offload_summary",
     "offload_windows",
     "plan_offloads",
     "resolve_bandwidth",
@@ -146,7 +147,9 @@ def offload_windows(graph: ComputeGraph, sequence: Sequence[Hashable]) -> list[O
     step for outputs); between two consecutive uses ``a < b`` it can leave at step
     ``a + 1`` (at ``a`` itself when ``a`` is a read: the op and the transfer both only
     read the copy) and must be back by step ``b - 1``. Windows too short to free any step
-    are left out. O(len(sequence) x mean in-degree).
+    are left out, and so are values whose memory an offload cannot free: a forward
+    output (the caller holds it through the step) and an output gradient (``op`` is
+    ``"tangent"``: autograd hands it over). O(len(sequence) x mean in-degree).
 
     Examples
     --------
@@ -173,7 +176,7 @@ def offload_windows(graph: ComputeGraph, sequence: Sequence[Hashable]) -> list[O
     out: list[OffloadWindow] = []
     for k, (v, start, reads) in enumerate(copies):
         b = int(nodes[v]["bytes"])
-        if b <= 0:
+        if b <= 0 or _held_outside(nodes[v]):
             continue
         uses = [start] + reads
         if nodes[v].get("output", False) and current.get(v) == k:
@@ -184,6 +187,11 @@ def offload_windows(graph: ComputeGraph, sequence: Sequence[Hashable]) -> list[O
             if last - first >= 2:
                 out.append(OffloadWindow(v, b, first, last))
     return out
+
+
+def _held_outside(d: dict) -> bool:
+    """Is a value held outside the step's graphs (so offloading it frees nothing)?"""
+    return (d.get("output", False) and d.get("phase") == "forward") or d.get("op") == "tangent"
 
 
 # ---------------------------------------------------------------------------- planning
@@ -514,6 +522,7 @@ def offload(
     mode: str = "both",
     exact: bool | None = None,
     levels: int = 4,
+    bases: Sequence[Sequence[Hashable]] = (),
 ) -> Schedule:
     """Store, recompute or offload each value so that the step fits the budget.
 
@@ -538,6 +547,10 @@ def offload(
     levels : int
         Intermediate budgets between ``budget_bytes`` and the store-all peak at which
         recompute-only schedules are combined with offload.
+    bases : sequence of sequences, optional
+        More recompute-only sequences to combine with offload (another method's
+        schedule, e.g. ``auto``'s): the result then costs no more than any of them that
+        fits the budget.
 
     Returns
     -------
@@ -571,22 +584,25 @@ def offload(
     deadline = t0 + (30.0 if time_limit is None else float(time_limit))
     store_all_seq = list(graph.order)
     top = simulate(graph, store_all_seq).peak_bytes
+    extra_bases = bases
 
-    bases: list[tuple[int | None, list[Hashable]]] = []
+    given: list[tuple[int | None, list[Hashable]]] = []
     if mode != "recompute":
-        bases.append((None, store_all_seq))
+        given.append((None, store_all_seq))
     if mode != "offload" and top > budget:
         grid = [budget] if mode == "recompute" else sorted(
             {int(budget + f * (top - budget)) for f in np.linspace(0, 1, levels + 2)[:-1]}
         )
         for b in grid:
             for seq in _recompute_sequences(graph, b, deadline=deadline):
-                bases.append((b, seq))
+                given.append((b, seq))
 
     # grade every distinct base once; offloads never make a base cheaper than its compute
+    if mode != "offload":
+        given.extend((budget, list(seq)) for seq in extra_bases)
     graded: list[tuple[float, int | None, list[Hashable], int]] = []
     seen: set[tuple] = set()
-    for level, seq in bases:
+    for level, seq in given:
         key = tuple(seq)
         if key in seen:
             continue
@@ -642,6 +658,55 @@ def offload(
     schedule = best[1]
     schedule.info["offloaded_bytes"] = int(sum(graph[o.node]["bytes"] for o in schedule.offloads))
     return schedule
+
+
+# ---------------------------------------------------------------------------- summary
+def offload_summary(graph: ComputeGraph, schedule: Schedule, *, bandwidth: float | None = None) -> dict:
+    """What a schedule's offloads move and how much of their time hides behind compute,
+    as :func:`solver.simulate` charges it.
+
+    Parameters
+    ----------
+    graph : ComputeGraph
+    schedule : Schedule
+    bandwidth : float, optional
+        Host-link bytes per time unit (default ``schedule.bandwidth``).
+
+    Returns
+    -------
+    dict
+        ``offloads`` (count), ``offloaded_bytes`` (bytes sent, and fetched back),
+        ``link_time`` (time units the link is busy: per step the longer of its two
+        directions), ``exposed_time`` (what the transfers add to the step's time),
+        ``hidden_fraction`` (``1 - exposed / link``; 1.0 when nothing moves).
+
+    Examples
+    --------
+    >>> from solver.synthetic import training_chain
+    >>> g = training_chain(4, fwd_bytes=10)
+    >>> offs = [Offload("f0", 0, 7)]
+    >>> offload_summary(g, Schedule(list(g.order), offloads=offs, bandwidth=10.0))["hidden_fraction"]
+    1.0
+    >>> offload_summary(g, Schedule(list(g.order), offloads=offs, bandwidth=5.0))["exposed_time"]
+    1.0
+    """
+    bw = schedule.bandwidth if bandwidth is None else bandwidth
+    seq = schedule.sequence
+    n = len(seq)
+    d2h, h2d = np.zeros(n), np.zeros(n)
+    for o in schedule.offloads:
+        d2h[o.after + 1] += graph[o.node]["bytes"]
+        h2d[o.before - 1] += graph[o.node]["bytes"]
+    moved = int(d2h.sum())
+    if not moved or not bw:
+        return {"offloads": len(schedule.offloads), "offloaded_bytes": moved, "link_time": 0.0,
+                "exposed_time": 0.0, "hidden_fraction": 1.0}
+    link = np.maximum(d2h, h2d) / bw
+    compute = simulate(graph, list(seq)).cost
+    exposed = max(0.0, simulate(graph, schedule, bandwidth=bw).cost - compute)
+    total = float(link.sum())
+    return {"offloads": len(schedule.offloads), "offloaded_bytes": moved, "link_time": total,
+            "exposed_time": exposed, "hidden_fraction": max(0.0, 1.0 - exposed / total) if total else 1.0}
 
 
 # ---------------------------------------------------------------------------- break-even
