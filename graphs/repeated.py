@@ -269,7 +269,7 @@ def _runnable_cut(cg: ComputeGraph, model: torch.nn.Module, *, parent: str, coun
     """The cut capture and the DAG of its written joint graph (:func:`stitch_joint`)."""
     from dataclasses import replace
 
-    from graphs.capture import graph_of_joint
+    from graphs.capture import graph_of_joint, plain_state
 
     info = cg.capture_info
     if info is None or info.backward != "outputs":
@@ -283,7 +283,8 @@ def _runnable_cut(cg: ComputeGraph, model: torch.nn.Module, *, parent: str, coun
     # what the capture says of itself; the rest (the random ops' order, ...) is the written graph's own
     said = {k: cg.meta[k] for k in ("captured_with", "time_source", "torch", "autocast") if k in cg.meta}
     whole = graph_of_joint(gm, name=cg.name, state=state, meta=dict(said, repeated=repeated))
-    whole.capture_info = replace(info, stitched=stitched)
+    # the step runs on the whole model: its own constants are what a later change is told from
+    whole.capture_info = replace(info, stitched=stitched, state=plain_state(model))
     log.info("stitch_joint: %d layers from %d captured (%d nodes)", count, _KEPT, len(whole))
     return CutCapture(cut=cg, whole=whole, template=stitched.template)
 

@@ -537,7 +537,7 @@ def schedule_graphs(
     bg.output(tuple(grad_out))
     # A value saved for an op that turns out dead (a ``detach`` nobody reads) would stay
     # alive, unread, through the whole backward: it is not saved at all.
-    bg.eliminate_dead_code()
+    bg.eliminate_dead_code(is_impure_node=_kept_unread)
     for name in list(saved):
         if not saved_ph[name].users:
             bg.erase_node(saved_ph[name])
@@ -562,8 +562,17 @@ def schedule_graphs(
         for n in g.nodes:
             if n.op == "placeholder":
                 n.target = n.name
-    fg.eliminate_dead_code()  # (the backward's dead code is gone: erasing unread placeholders leaves none)
+    fg.eliminate_dead_code(is_impure_node=_kept_unread)  # (erasing unread placeholders left none in backward)
     return fg, bg, saved
+
+
+def _kept_unread(node: fx.Node) -> bool:
+    """Whether dead-code elimination keeps ``node`` though nothing reads it: fx's side
+    effects, and ops that draw random numbers (a later draw depends on theirs). An op
+    tagged random that draws nothing (a fused attention without dropout) goes: an
+    unread copy of it, run where a schedule lists its outputs out of order, would
+    hold all of its outputs to the end of the graph."""
+    return node.is_impure(impure_random=False) or node_draws(node)
 
 
 def _ancestors(roots: Iterable[fx.Node]) -> set[str]:

@@ -49,7 +49,7 @@ import numpy as np
 
 from graphs import ComputeGraph
 from solver.errors import NoScheduleFound
-from solver.methods.chain import _local_peak
+from solver.methods.chain import local_peak
 from solver.plans import Stage, forced_keep, forward_stages, has_backward, sequence_from_keep, stage_regions
 from solver.registry import register
 from solver.schedule import Schedule
@@ -530,12 +530,12 @@ def block_options(graph: ComputeGraph, chain: BlockChain, *, levels: int = LEVEL
         for keep in keeps:
             cost, own, nxt, prev = p.cost_of(keep)
             kept = {p.ops[i] for i in set(keep) | {i for i in range(len(p.ops)) if p.fixed[i]}}
-            fwd_peak = _local_peak(graph, st.forward, [], kept | {st.boundary})
+            fwd_peak = local_peak(graph, st.forward, [], kept | {st.boundary})
             kept_in = [v for v in kept if nodes[v]["bytes"]]
-            bwd_peak = _local_peak(graph, _just_in_time(graph, [p.ops[i] for i in sorted(own)], st.backward),
+            bwd_peak = local_peak(graph, _just_in_time(graph, [p.ops[i] for i in sorted(own)], st.backward),
                                    kept_in + chain.incoming[k], outgoing)
             redo_next = [p.ops[i] for i in sorted(nxt)]
-            next_peak = _local_peak(graph, redo_next, kept_in, {st.boundary}) if redo_next else 0
+            next_peak = local_peak(graph, redo_next, kept_in, {st.boundary}) if redo_next else 0
             blk.options.append(BlockOption(keep=frozenset(kept), again=frozenset(p.ops[i] for i in own | nxt),
                                            kept_bytes=p.kept_bytes(keep), cost=cost, fwd_peak=int(fwd_peak),
                                            bwd_peak=int(bwd_peak), next_peak=int(next_peak), needs_prev=prev,

@@ -122,7 +122,6 @@ def local_peak(graph: ComputeGraph, ops: Sequence[Hashable], pre: Iterable[Hasha
     return peak
 
 
-_local_peak = local_peak  # (the name solver.methods.blocks imports)
 
 
 @dataclass
