@@ -142,6 +142,10 @@ class _LossStep(torch.nn.Module):
 
 _PLAIN = (bool, int, float, complex, str, type(None))
 
+#: plain attributes that a trace does not bake in: the mode, and the mark that
+#: ``torch.compile`` sets on the modules it compiles
+_NOT_TRACED = frozenset({"training", "_is_torch_compile"})
+
 
 def _plain(value: Any) -> Any:
     """``value`` when it is a plain Python constant (or a tuple or list of them, as a
@@ -157,7 +161,8 @@ def _plain(value: Any) -> Any:
 def plain_state(model: torch.nn.Module) -> dict[str, tuple]:
     """What a trace of ``model``'s forward bakes into its graph as constants, per module
     path: the module's class and its plain attributes (numbers, strings, booleans,
-    ``None`` and tuples or lists of them; ``training`` left out). Tensors, parameters
+    ``None`` and tuples or lists of them; ``training`` and ``torch.compile``'s mark left
+    out). Tensors, parameters
     and buffers are not in it: a captured step reads them at each call.
 
     Examples
@@ -170,7 +175,7 @@ def plain_state(model: torch.nn.Module) -> dict[str, tuple]:
     """
     state = {}
     for path, module in model.named_modules(remove_duplicate=False):
-        found = ((k, _plain(v)) for k, v in vars(module).items() if k != "training")
+        found = ((k, _plain(v)) for k, v in vars(module).items() if k not in _NOT_TRACED)
         attrs = tuple(sorted(((k, v) for k, v in found if v is not NotImplemented), key=lambda kv: kv[0]))
         state[path] = (type(module), attrs)
     return state
