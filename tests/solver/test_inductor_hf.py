@@ -35,7 +35,7 @@ def _step(model, batch):
 @pytest.mark.slow
 def test_inductor_plans_of_hf_models_run_whatever_they_recompute():
     recomputed = []
-    for kind, fraction, seed in (("qwen2", 0.6, 0), ("llama", 0.6, 1), ("qwen2", 0.75, 2)):
+    for kind, fraction, seed in (("qwen2", 0.6, 0), ("llama", 0.75, 1)):
         model = _causal_lm(kind, seed)
         plain = copy.deepcopy(model)
         ids = torch.randint(0, 128, (8, 64), generator=torch.Generator().manual_seed(seed))
@@ -54,4 +54,4 @@ def test_inductor_plans_of_hf_models_run_whatever_they_recompute():
         settle_open_judges()
         step = next(iter(fast.remat_steps.values()))
         assert len(step.step_peaks) == 2 and max(step.step_peaks) <= fast.report.budget_bytes
-    assert len(set(recomputed)) == 3  # the tries recompute different values
+    assert len(set(recomputed)) == 2  # the tries recompute different values

@@ -109,9 +109,11 @@ print("ROW " + json.dumps([row_at(model, inputs, loss_fn, f, judge.peak_bytes, g
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("name", ["resnet18", "convnext", "efficientnet", "vit", "bert", "qwen2", "t5"])
-def test_optimize_holds_the_budget_and_the_gradients(counter, name):
-    for row in _optimize_counted(counter, name, "0.7,0.5", child=CHILD):
+@pytest.mark.parametrize("name,fracs", [("resnet18", "0.5"), ("convnext", "0.7"), ("efficientnet", "0.5"),
+                                        ("vit", "0.7"), ("bert", "0.5"), ("qwen2", "0.7"), ("t5", "0.5")])
+def test_optimize_holds_the_budget_and_the_gradients(counter, name, fracs):
+    # one fraction of the plain step per model, 0.7 and 0.5 taking turns along the zoo
+    for row in _optimize_counted(counter, name, fracs, child=CHILD):
         if "named" in row:  # refused, then the figure named is one that works
             assert row["named"] > row["budget"], row
         assert row["report"] <= row["used"], row  # the whole optimize() call, as the report says
