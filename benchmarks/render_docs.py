@@ -110,6 +110,67 @@ def planning_table() -> str:
     return "\n".join(out) + f"\n\nRun on torch {versions}; {data['clock']}.\n"
 
 
+def module_speed_table() -> str:
+    """``module_speed.json``: module mode's step time against checkpointing every block."""
+    data = _load("module_speed.json")
+    mib = 2 ** 20
+    out = ["| model | budget | plain | per-block checkpointing | module mode | module / per-block | blocks |",
+           "|---|---|---|---|---|---|---|"]
+    for r in data["rows"]:
+        if r.get("status") != "planned":
+            out.append(f"| {r['model']} | {r['budget_bytes'] / mib:.1f} MiB | {r.get('status')} | | | | |")
+            continue
+        actions = ", ".join(f"{a} x{n}" for a, n in sorted(_counts(r["module_actions"].values()).items()))
+        out.append(f"| {r['model']} | {r['budget_bytes'] / mib:.1f} MiB "
+                   f"| {1e3 * r['plain_seconds']:.1f} ms, {r['plain_peak_bytes'] / mib:.1f} MiB "
+                   f"| {1e3 * r['per_block_seconds']:.1f} ms, {r['per_block_peak_bytes'] / mib:.1f} MiB "
+                   f"| {1e3 * r['module_seconds']:.1f} ms, {r['module_peak_bytes'] / mib:.1f} MiB "
+                   f"| {r['module_vs_per_block']:.3f}x | {actions} |")
+    return "\n".join(out) + f"\n\n{data['clock']}, {data['repeats']} runs after {data['warmup']} warm-up.\n"
+
+
+def _counts(values) -> dict:
+    out: dict = {}
+    for v in values:
+        out[v] = out.get(v, 0) + 1
+    return out
+
+
+def offload_steps_table() -> str:
+    """``offload_steps_cpu.json``: real graph-mode steps that offload, on CPU's emulated host."""
+    mib = 2 ** 20
+    out = ["| budget | plan | predicted peak | measured peak | fits | gradients bitwise | predicted extra compute "
+           "| offloaded | link time hidden |", "|---|---|---|---|---|---|---|---|---|"]
+    for r in _load("offload_steps_cpu.json")["rows"]:
+        if r["status"] != "ok":
+            out.append(f"| {r['fraction']:g}x | {r['plan']} | {r['status']} | | | | | | |")
+            continue
+        out.append(f"| {r['fraction']:g}x | {r['plan']} | {r['predicted_peak_bytes'] / mib:.1f} MiB "
+                   f"| {r['measured_peak_bytes'] / mib:.1f} MiB | {'yes' if r['fits'] else 'no'} "
+                   f"| {'yes' if r['bitwise'] else 'no'} | {100 * r['predicted_overhead']:.2f} % "
+                   f"| {r['offloaded_bytes'] / mib:.1f} MiB | {100 * r['hidden_fraction']:.0f} % |")
+    return "\n".join(out) + "\n"
+
+
+def training_loops_table() -> str:
+    """``training_loops.json``: a loop over varying lengths, and planning times."""
+    data = _load("training_loops.json")
+    out = ["| run | total s | vs plain | plans | first step at each length s | highest step peak / budget |",
+           "|---|---|---|---|---|---|"]
+    for r in data["loops"]:
+        fit = "" if r.get("max_step_peak_bytes") is None else f"{r['max_step_peak_bytes'] / r['budget_bytes']:.2f}"
+        ratio = "" if r.get("ratio") is None else f"{r['ratio']:.2f}x"
+        out.append(f"| {r['case']} | {r['total_s']:.2f} | {ratio} | {r['plans']} | "
+                   f"{', '.join(f'{x:g}' for x in r['first_steps_s'])} | {fit} |")
+    out += ["", f"Planning time of `optimize()` with example inputs at half of store-all (goal: "
+                f"{data['goal_plan_s']:g} s; the parts are wall seconds):", "",
+            "| model | mode | total s | capture s | measure s | solve s | check s |", "|---|---|---|---|---|---|---|"]
+    for r in data["planning"]:
+        out.append(f"| {r['model']} | {r['mode']} | {r['total_s']:.2f} | {r['capture_s']:.2f} | {r['measure_s']:.2f} "
+                   f"| {r['solve_s']:.2f} | {r['check_s']:.2f} |")
+    return "\n".join(out) + f"\n\nRun on torch {data['torch']}; {data['clock']}.\n"
+
+
 def capture_table() -> str:
     out = ["| case | nodes | capture + annotation | goal | peak host memory | torch |", "|---|---|---|---|---|---|"]
     for r in _load("capture.json"):
@@ -273,6 +334,22 @@ method against recomputation only, as the host bandwidth grows (R is the graph's
 bytes over its total time).
 
 {{offload}}
+Real steps, `python benchmarks/offload.py --steps` (`offload_steps_cpu.json`): a GPT-style
+model's graph-mode step at a fraction of its store-all peak, recomputing only, offloading
+only and both (`optimize(offload=True)` plans the joint one), on CPU with the host emulated
+outside the allocator (`graphs.host_pool`); the link's bandwidth is measured by a few
+copies, so on CPU it hides behind compute by construction. Not run on a GPU.
+
+{{offload_steps}}
+## Module mode against checkpointing every block
+
+`python benchmarks/module_speed.py` (`module_speed.json`): HF Llama and GPT-2 built from
+their configs (4 layers, hidden 64 and 256, random weights), `optimize(mode="module")` at
+0.7 of the plain step's peak against non-reentrant `torch.utils.checkpoint` on every
+block, step time and allocator peak of each (goal: module mode no slower than
+per-block checkpointing).
+
+{{module_speed}}
 ## Capture
 
 `python benchmarks/capture.py` (one thread, a fresh process per case, weights never
@@ -288,7 +365,16 @@ process per row. The four parts are the report's planning line (`check` is the r
 its gradient check and the measured steps). From 6 layers on, both modes capture and
 measure four layers and write the whole step from them (`graphs.repeated`).
 
-{{planning}}"""
+{{planning}}
+## Training loops
+
+`python benchmarks/training_loops.py` (`training_loops.json`): an HF Qwen2 built from its
+config (hidden 128, 4 layers, batch 8, random weights) fed 50 steps whose sequence lengths
+cycle through 96, 64, 128, 80, 112, planned lazily on its first call at half of the plain
+step's peak at the longest length; every case in a fresh process, one thread (goal: at
+most 1.3x the plain model's time, planning included; not met).
+
+{{training_loops}}"""
 
 #: What each ``{{name}}`` of :data:`PAGE` renders to.
 TABLES = {
@@ -300,6 +386,9 @@ TABLES = {
     "models": models_table,
     "gpu": lambda: gpu_tables("cuda_check_rerun.json"),
     "offload": offload_table,
+    "offload_steps": offload_steps_table,
+    "module_speed": module_speed_table,
+    "training_loops": training_loops_table,
     "capture": capture_table,
     "planning": planning_table,
 }

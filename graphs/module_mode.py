@@ -126,10 +126,6 @@ def _active_plan() -> Mapping[str, str] | None:
     return getattr(_state, "plan", None)
 
 
-def _recomputing() -> bool:
-    return getattr(_state, "recomputing", 0) > 0
-
-
 @contextlib.contextmanager
 def _plan_active(plan: Mapping[str, str]):
     prev = getattr(_state, "plan", None)
@@ -138,15 +134,6 @@ def _plan_active(plan: Mapping[str, str]):
         yield
     finally:
         _state.plan = prev
-
-
-@contextlib.contextmanager
-def _recompute_flag():
-    _state.recomputing = getattr(_state, "recomputing", 0) + 1
-    try:
-        yield
-    finally:
-        _state.recomputing -= 1
 
 
 def selective_policy(save_ops: set | None = None, *, action: LayerAction | str = LayerAction.SAVE_MATMULS,
@@ -290,15 +277,12 @@ class _RecomputeContext:
 
     def __enter__(self):
         self.snapshot = _buffers_snapshot(self.module)
-        self.flag = _recompute_flag()
-        self.flag.__enter__()
         return self.inner.__enter__()
 
     def __exit__(self, *exc):
         try:
             return self.inner.__exit__(*exc)
         finally:
-            self.flag.__exit__(*exc)
             with torch.no_grad():
                 for buf, saved in self.snapshot:
                     buf.copy_(saved)

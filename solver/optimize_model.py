@@ -135,8 +135,10 @@ def optimize(
         Time every op on the real device for the cost model (default: when the inputs
         are real tensors).
     blocks : list of str, optional
-        Candidate blocks for module mode (default: the children of the model's longest
-        ModuleList/Sequential).
+        Module paths of the model's layer blocks, which module mode checkpoints and graph
+        mode's per-block floor cuts at (default: the repeated layers that
+        :func:`graphs.module_mode.layer_blocks` finds by structure, such as a
+        transformer's layers or a ResNet's residual blocks).
     self_check : bool
         Graph mode: before handing the rewrite out, run one step of it and one of the
         original on the example batch and compare loss and gradients; a schedule that
@@ -269,6 +271,8 @@ def optimize(
     for name, value in (("dynamic", dynamic), ("offload", offload)):
         if not isinstance(value, bool):
             raise OptionError(f"{name} must be True or False, got {value!r}")
+    if offload:
+        _check_offload(request, pinned=pinned)
     request = dataclasses.replace(request, mode_pinned=pinned, offload=offload)
     resizer = functools.partial(resize_step, request=request) if dynamic else None
     session = Session(loss_fn=loss_fn)
@@ -414,6 +418,24 @@ def _check_options(model: nn.Module, *, budget_gb: Any, mode: str, pinned: bool,
                               f"its submodules are: {shown}")
     if verify and not planned_now:
         raise OptionError("verify=True needs example_inputs (the step it measures)")
+
+
+def _check_offload(request: Request, *, pinned: bool) -> None:
+    """Refuse ``offload=True`` where nothing would offload, saying why."""
+    from graphs.distributed import DistributedPlanError
+
+    if request.dp is not None and request.dp.sharding == "fsdp":
+        raise DistributedPlanError(
+            "offload=True under FSDP2: module mode, the only mode there, checkpoints whole blocks and offloads "
+            "nothing they save, and FSDP2's CPUOffloadPolicy moves parameters, not activations; plan without "
+            "offload=True (or offload parameters with FSDP2's own policy)")
+    if request.mode == "module" and pinned:
+        raise OptionError("offload=True offloads graph mode's values; module mode checkpoints whole blocks and "
+                          "offloads nothing: use mode='graph' or mode=None")
+    if request.method != "auto":
+        raise OptionError(f"offload=True lets method='auto' choose between offload and recomputation; "
+                          f"method={request.method!r} plans as it is (method='offload' offloads without "
+                          f"recomputing): drop offload=True or use method='auto'")
 
 
 def _request(model: nn.Module, budget_gb: float, *, mode: str, method: str, time_limit: float | None,

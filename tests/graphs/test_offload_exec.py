@@ -299,3 +299,15 @@ def test_optimize_with_offload_lets_auto_offload_and_the_real_step_fits():
     real = fast.report.step_peak_bytes
     assert real is not None and real <= budget, (real, budget)
     assert abs(real - report.predicted_peak_bytes) <= 0.02 * real
+
+
+@pytest.mark.parametrize("options,error", [
+    (dict(mode="module"), "module mode checkpoints whole blocks"),
+    (dict(method="chain_dp"), "lets method='auto' choose"),
+])
+def test_offload_where_nothing_would_offload_is_refused_with_the_reason(options, error):
+    import solver
+
+    net = torch.nn.Sequential(torch.nn.Linear(8, 8), torch.nn.ReLU(), torch.nn.Linear(8, 1))
+    with pytest.raises(solver.OptionError, match=error):
+        solver.optimize(net, 1.0, offload=True, **options)
