@@ -580,12 +580,36 @@ def offload(
         raise ValueError(f"mode must be 'both', 'offload' or 'recompute', got {mode!r}")
     bw = resolve_bandwidth(bandwidth=bandwidth, hardware=hardware, time_unit_seconds=time_unit_seconds)
     budget = int(budget_bytes)
-    t0 = time.perf_counter()
-    deadline = t0 + (30.0 if time_limit is None else float(time_limit))
+    deadline = time.perf_counter() + (30.0 if time_limit is None else float(time_limit))
+    given = _base_sequences(graph, budget, mode=mode, levels=levels, bases=bases, deadline=deadline)
+    graded = _grade_bases(graph, given)
+    best_peak = min((p for *_, p in graded), default=None)
+    keeper = _Cheapest(graph, budget, bandwidth=bw, mode=mode)
+    _plan_on_bases(graph, graded, keeper, exact=exact, deadline=deadline)
+    if keeper.schedule is None:
+        raise NoScheduleFound(
+            f"offload found no schedule within {budget} B (bandwidth {bw:.4g} B per time unit, "
+            f"mode {mode!r}); the smallest peak reached by its base sequences is {best_peak} B. "
+            "Try a larger budget, mode='both', or method='auto'",
+            best_peak=best_peak,
+        )
+    schedule = keeper.schedule
+    schedule.info["offloaded_bytes"] = int(sum(graph[o.node]["bytes"] for o in schedule.offloads))
+    return schedule
+
+
+def _base_sequences(graph: ComputeGraph, budget: int, *, mode: str, levels: int,
+                    bases: Sequence[Sequence[Hashable]], deadline: float
+                    ) -> list[tuple[int | None, list[Hashable]]]:
+    """The sequences to plan offloads on, each with the recompute budget it was solved at.
+
+    The store-all order (level None) unless ``mode="recompute"``; recompute-only
+    sequences at ``levels`` budgets between ``budget`` and the store-all peak (only
+    ``budget`` itself for ``mode="recompute"``) unless ``mode="offload"``; then the
+    caller's ``bases`` at ``budget``.
+    """
     store_all_seq = list(graph.order)
     top = simulate(graph, store_all_seq).peak_bytes
-    extra_bases = bases
-
     given: list[tuple[int | None, list[Hashable]]] = []
     if mode != "recompute":
         given.append((None, store_all_seq))
@@ -596,10 +620,17 @@ def offload(
         for b in grid:
             for seq in _recompute_sequences(graph, b, deadline=deadline):
                 given.append((b, seq))
-
-    # grade every distinct base once; offloads never make a base cheaper than its compute
     if mode != "offload":
-        given.extend((budget, list(seq)) for seq in extra_bases)
+        given.extend((budget, list(seq)) for seq in bases)
+    return given
+
+
+def _grade_bases(graph: ComputeGraph, given: list[tuple[int | None, list[Hashable]]]
+                 ) -> list[tuple[float, int | None, list[Hashable], int]]:
+    """``(cost, level, sequence, peak)`` of every distinct valid base, cheapest first.
+
+    Each base is graded once; offloads never make a base cheaper than its compute.
+    """
     graded: list[tuple[float, int | None, list[Hashable], int]] = []
     seen: set[tuple] = set()
     for level, seq in given:
@@ -613,51 +644,58 @@ def offload(
             continue
         graded.append((r.cost, level, seq, r.peak_bytes))
     graded.sort(key=lambda x: x[0])
-    best_peak = min((p for *_, p in graded), default=None)
+    return graded
 
-    best: tuple[float, Schedule] | None = None
 
-    def consider(level, seq, offs) -> float:
-        nonlocal best
-        s = Schedule(seq, method="offload", offloads=offs, bandwidth=bw,
-                     info={"order": "fixed", "recompute_budget": level, "mode": mode})
-        res = simulate(graph, s)
-        if not res.valid or res.peak_bytes > budget:
+class _Cheapest:
+    """The cheapest schedule within the budget seen so far, as the simulator grades it."""
+
+    def __init__(self, graph: ComputeGraph, budget: int, *, bandwidth: float, mode: str) -> None:
+        self.graph, self.budget, self.bandwidth, self.mode = graph, budget, bandwidth, mode
+        self.cost = math.inf
+        self.schedule: Schedule | None = None
+
+    def consider(self, level: int | None, seq: list[Hashable], offs: list[Offload]) -> float:
+        """Grade ``seq`` with ``offs``; keep it if it fits and is cheaper. Returns its cost."""
+        s = Schedule(seq, method="offload", offloads=offs, bandwidth=self.bandwidth,
+                     info={"order": "fixed", "recompute_budget": level, "mode": self.mode})
+        res = simulate(self.graph, s)
+        if not res.valid or res.peak_bytes > self.budget:
             log.debug("offload: discarding a plan the simulator rejects: %s", res.error)
             return math.inf
-        if best is None or res.cost < best[0] - 1e-12 * abs(res.cost):
-            best = (res.cost, s)
+        if self.schedule is None or res.cost < self.cost - 1e-12 * abs(res.cost):
+            self.cost, self.schedule = res.cost, s
         return res.cost
 
+
+def _plan_on_bases(graph: ComputeGraph, graded: list[tuple[float, int | None, list[Hashable], int]],
+                   keeper: _Cheapest, *, exact: bool | None, deadline: float) -> None:
+    """Offer ``keeper`` every base that fits as is and every base with planned windows.
+
+    Bases come cheapest first and stop once one costs no less than the best kept; the
+    greedy window planner runs on each base over the budget, then the exact window MILP
+    on the two most promising ones whose transfers do not all hide.
+    """
+    budget, bw = keeper.budget, keeper.bandwidth
     refine = []
     for cost, level, seq, peak in graded:
-        if best is not None and cost >= best[0]:
+        if keeper.schedule is not None and cost >= keeper.cost:
             break
         if peak <= budget:
-            consider(level, seq, [])
-        elif mode != "recompute":
+            keeper.consider(level, seq, [])
+        elif keeper.mode != "recompute":
             offs = plan_offloads(graph, seq, budget, bandwidth=bw, exact=False)
             if offs is not None:
-                refine.append((consider(level, seq, offs), cost, level, seq))
-    # the exact window MILP on the most promising bases whose transfers do not all hide
+                refine.append((keeper.consider(level, seq, offs), cost, level, seq))
     refine.sort(key=lambda x: x[0])
     for planned, cost, level, seq in refine[:2]:
         left = deadline - time.perf_counter()
-        if exact is False or left <= 0 or planned <= cost or best is None or cost >= best[0]:
+        if (exact is False or left <= 0 or planned <= cost or keeper.schedule is None
+                or cost >= keeper.cost):
             continue
         offs = plan_offloads(graph, seq, budget, bandwidth=bw, exact=exact, time_limit=min(left, 10.0))
         if offs is not None:
-            consider(level, seq, offs)
-    if best is None:
-        raise NoScheduleFound(
-            f"offload found no schedule within {budget} B (bandwidth {bw:.4g} B per time unit, "
-            f"mode {mode!r}); the smallest peak reached by its base sequences is {best_peak} B. "
-            "Try a larger budget, mode='both', or method='auto'",
-            best_peak=best_peak,
-        )
-    schedule = best[1]
-    schedule.info["offloaded_bytes"] = int(sum(graph[o.node]["bytes"] for o in schedule.offloads))
-    return schedule
+            keeper.consider(level, seq, offs)
 
 
 # ---------------------------------------------------------------------------- summary
