@@ -236,57 +236,110 @@ def rank_peak(graph: ComputeGraph, sequence: Sequence[Hashable], *, world_size: 
         raise SolverError(f"invalid sequence: {r.error}")
     curve = np.asarray(r.memory_curve, dtype=np.float64)
     seq = list(sequence)
+    units = list(units)
     params = [v for v in graph.sources if graph[v].get("kind") == "param"]
     param_total = sum(graph[v]["bytes"] for v in params)
     grads = [v for v in graph.ops if graph[v]["output"] and graph[v]["phase"] == "backward"]
     grad_total = sum(graph[v]["bytes"] for v in grads)
-    units = list(units)
+    unit_bytes = _unit_param_bytes(graph, params, units)
+    if sharding == "ddp":
+        fixed = rank_fixed_bytes(world_size=W, sharding="ddp", param_bytes=param_total, grad_bytes=grad_total,
+                                 optimizer_bytes=optimizer_bytes, gradient_as_bucket_view=gradient_as_bucket_view)
+        return _peak_of(curve + fixed.buckets + fixed.optimizer, fixed, r.peak_bytes)
+
+    fixed = rank_fixed_bytes(world_size=W, sharding="fsdp", param_bytes=param_total, grad_bytes=grad_total,
+                             optimizer_bytes=optimizer_bytes, unit_param_bytes=unit_bytes)
+    spans = _UnitSpans.of(graph, seq, units)
+    gathered = _gathered_bytes(spans, unit_bytes)
+    whole_grads, keep_grads, grad_bytes_unit = _gradient_bytes(graph, seq, grads, spans)
+    extra, shards = _reduce_scatter_bytes(spans, grad_bytes_unit, W)
+    out = (curve - param_total - whole_grads + keep_grads + shards + gathered + extra
+           + fixed.params + fixed.optimizer)
+    return _peak_of(out, fixed, r.peak_bytes)
+
+
+def _peak_of(out: np.ndarray, fixed: RankBytes, single_peak: int) -> RankPeak:
+    """The :class:`RankPeak` of the per-step bytes ``out``."""
+    t = int(np.argmax(out)) if len(out) else 0
+    return RankPeak(int(math.ceil(out[t])) if len(out) else 0, t, out, fixed, single_peak)
+
+
+def _unit_param_bytes(graph: ComputeGraph, params: list[Hashable], units: list[str]) -> dict[str, int]:
+    """Parameter bytes of each FSDP2 unit; the root is ``""``."""
     unit_bytes = {u: 0 for u in units}
     unit_bytes[""] = 0
     for v in params:
         unit_bytes[unit_of(str(graph[v].get("name", "")), units)] += graph[v]["bytes"]
-    if sharding == "ddp":
-        fixed = rank_fixed_bytes(world_size=W, sharding="ddp", param_bytes=param_total, grad_bytes=grad_total,
-                                 optimizer_bytes=optimizer_bytes, gradient_as_bucket_view=gradient_as_bucket_view)
-        out = curve + fixed.buckets + fixed.optimizer
-        t = int(np.argmax(out)) if len(out) else 0
-        return RankPeak(int(math.ceil(out[t])) if len(out) else 0, t, out, fixed, r.peak_bytes)
+    return unit_bytes
 
-    fixed = rank_fixed_bytes(world_size=W, sharding="fsdp", param_bytes=param_total, grad_bytes=grad_total,
-                             optimizer_bytes=optimizer_bytes, unit_param_bytes=unit_bytes)
-    n = len(seq)
-    unit_at = [unit_of(str(graph[v].get("module") or ""), units) for v in seq]
-    first_bwd = next((i for i, v in enumerate(seq) if graph[v]["phase"] == "backward"), n)
-    fwd_span: dict[str, list[int]] = {}
-    bwd_span: dict[str, list[int]] = {}
-    for i, u in enumerate(unit_at):
-        span = (fwd_span if i < first_bwd else bwd_span).setdefault(u, [i, i])
-        span[1] = i
-    # forward order of the block units (the root finishes its forward last)
-    blocks = sorted((u for u in units if u in fwd_span), key=lambda u: fwd_span[u][0])
+
+@dataclass
+class _UnitSpans:
+    """Where each FSDP2 unit runs in a sequence of ``n`` steps.
+
+    ``fwd`` and ``bwd`` map a unit to the first and last step of its ops before and from
+    ``first_bwd`` (the first backward step); ``blocks`` are the units besides the root in
+    forward order.
+    """
+
+    n: int
+    first_bwd: int
+    fwd: dict[str, list[int]]
+    bwd: dict[str, list[int]]
+    blocks: list[str]
+    units: list[str]
+
+    @classmethod
+    def of(cls, graph: ComputeGraph, seq: list[Hashable], units: list[str]) -> "_UnitSpans":
+        n = len(seq)
+        unit_at = [unit_of(str(graph[v].get("module") or ""), units) for v in seq]
+        first_bwd = next((i for i, v in enumerate(seq) if graph[v]["phase"] == "backward"), n)
+        fwd_span: dict[str, list[int]] = {}
+        bwd_span: dict[str, list[int]] = {}
+        for i, u in enumerate(unit_at):
+            span = (fwd_span if i < first_bwd else bwd_span).setdefault(u, [i, i])
+            span[1] = i
+        # forward order of the block units (the root finishes its forward last)
+        blocks = sorted((u for u in units if u in fwd_span), key=lambda u: fwd_span[u][0])
+        return cls(n, first_bwd, fwd_span, bwd_span, blocks, units)
+
+
+def _gathered_bytes(spans: _UnitSpans, unit_bytes: dict[str, int]) -> np.ndarray:
+    """Whole parameters gathered at every step: the root always, a block during its
+    forward and from the next unit's backward (its prefetch) to the end of its own."""
+    fwd_span, bwd_span, blocks = spans.fwd, spans.bwd, spans.blocks
     post_forward = blocks + [""]
-    gathered = np.zeros(n)
+    gathered = np.zeros(spans.n)
     gathered += unit_bytes[""]  # the root stays gathered
-    extra = np.zeros(n)
     # the all-gather input is a view into the all-gather output: no extra shard
     for k, u in enumerate(blocks):
         lo, hi = fwd_span[u]
         gathered[lo:hi + 1] += unit_bytes[u]
         if u in bwd_span:
             nxt = post_forward[k + 1]
-            start = bwd_span[nxt][0] if nxt in bwd_span else first_bwd
+            start = bwd_span[nxt][0] if nxt in bwd_span else spans.first_bwd
             end = bwd_span[u][1]
             gathered[min(start, bwd_span[u][0]):end + 1] += unit_bytes[u]
-    # gradients: whole until their unit's backward ends, then a shard
-    grad_unit = {v: unit_of(str(graph[v].get("module") or ""), units) for v in grads}
+    return gathered
+
+
+def _gradient_bytes(graph: ComputeGraph, seq: list[Hashable], grads: list[Hashable], spans: _UnitSpans
+                    ) -> tuple[np.ndarray, np.ndarray, dict[str, int]]:
+    """Gradients: whole until their unit's backward ends, then a shard.
+
+    Returns the simulator's (whole) gradients at every step, to take out; the whole
+    gradients of units still in backward at every step; and each unit's gradient bytes.
+    """
+    n, bwd_span = spans.n, spans.bwd
+    grad_unit = {v: unit_of(str(graph[v].get("module") or ""), spans.units) for v in grads}
     grad_bytes_unit: dict[str, int] = {}
     for v in grads:
         grad_bytes_unit[grad_unit[v]] = grad_bytes_unit.get(grad_unit[v], 0) + graph[v]["bytes"]
     first_at = {}
     for i, v in enumerate(seq):
         first_at.setdefault(v, i)
-    whole_grads = np.zeros(n)   # the simulator's (whole) gradients, to take out
-    keep_grads = np.zeros(n)    # whole gradients of units still in backward
+    whole_grads = np.zeros(n)
+    keep_grads = np.zeros(n)
     for v in grads:
         i = first_at.get(v)
         if i is None:
@@ -295,22 +348,29 @@ def rank_peak(graph: ComputeGraph, sequence: Sequence[Hashable], *, world_size: 
         u = grad_unit[v]
         end = bwd_span[u][1] if (u in bwd_span and u != "") else n - 1
         keep_grads[i:end + 1] += graph[v]["bytes"]
-    # a unit's reduce-scatter input (its whole gradients, flat) is kept until the next
-    # unit's reduce-scatter (FSDP2's reduce_scatter_max_input_buffers=1), the last until
-    # the end of backward; the output is the gradient shard
+    return whole_grads, keep_grads, grad_bytes_unit
+
+
+def _reduce_scatter_bytes(spans: _UnitSpans, grad_bytes_unit: dict[str, int], world_size: int
+                          ) -> tuple[np.ndarray, np.ndarray]:
+    """Reduce-scatter input buffers and gradient shards at every step.
+
+    A unit's reduce-scatter input (its whole gradients, flat) is kept until the next
+    unit's reduce-scatter (FSDP2's reduce_scatter_max_input_buffers=1), the last until
+    the end of backward; the output is the gradient shard.
+    """
+    n, bwd_span = spans.n, spans.bwd
+    extra = np.zeros(n)
     shards = np.zeros(n)
-    ends = sorted(bwd_span[u][1] for u in blocks if u in bwd_span)
-    for u in blocks:
+    ends = sorted(bwd_span[u][1] for u in spans.blocks if u in bwd_span)
+    for u in spans.blocks:
         if u in bwd_span:
             end = bwd_span[u][1]
             g = grad_bytes_unit.get(u, 0)
             later = [e for e in ends if e > end]
             extra[end:(later[0] if later else n - 1) + 1] += g
-            shards[end:] += shard_bytes(g, W)
-    out = (curve - param_total - whole_grads + keep_grads + shards + gathered + extra
-           + fixed.params + fixed.optimizer)
-    t = int(np.argmax(out)) if n else 0
-    return RankPeak(int(math.ceil(out[t])) if n else 0, t, out, fixed, r.peak_bytes)
+            shards[end:] += shard_bytes(g, world_size)
+    return extra, shards
 
 
 def plan_modules_per_rank(graph: ComputeGraph, budget_bytes: int, *, blocks: Sequence[str], world_size: int,
