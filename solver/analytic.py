@@ -36,6 +36,7 @@ from solver.errors import SolverError
 __all__ = [
     "TransformerConfig",
     "as_config",
+    "looks_like_hf_config",
     "dtype_bytes",
     "layer_activation_breakdown",
     "layer_activation_bytes",
@@ -445,14 +446,22 @@ def _first(obj: Any, names: tuple[str, ...], default: Any = None) -> Any:
     return default
 
 
-def _looks_like_hf_config(obj: Any) -> bool:
+def looks_like_hf_config(obj: Any) -> bool:
+    """Whether ``obj`` reads as an HF ``PretrainedConfig`` (a ``model_type`` and a ``to_dict``).
+
+    Examples
+    --------
+    >>> looks_like_hf_config({"num_hidden_layers": 2}), looks_like_hf_config(TransformerConfig(
+    ...     num_layers=2, hidden_size=64, num_heads=4, vocab_size=100, seq_len=8, micro_batch=1))
+    (False, False)
+    """
     return hasattr(obj, "model_type") and hasattr(obj, "to_dict")
 
 
 def _from_mapping(c: Any, *, seq_len: int | None, micro_batch: int | None, dtype: Any,
                   tensor_parallel: int | None, sequence_parallel: bool | None,
                   flash_attention: bool | None) -> TransformerConfig:
-    if _looks_like_hf_config(c) and hasattr(c, "get_text_config"):
+    if looks_like_hf_config(c) and hasattr(c, "get_text_config"):
         c = c.get_text_config()
     layers = _first(c, ("num_hidden_layers", "n_layer", "num_layers", "n_layers"))
     hidden = _first(c, ("hidden_size", "n_embd", "d_model", "dim"))
@@ -480,7 +489,7 @@ def _from_mapping(c: Any, *, seq_len: int | None, micro_batch: int | None, dtype
                                             "dropout")]
     dropout = any(isinstance(p, (int, float)) and p > 0 for p in drops)
     if dtype is None:
-        names = ("dtype",) if _looks_like_hf_config(c) else ("dtype", "torch_dtype", "params_dtype")
+        names = ("dtype",) if looks_like_hf_config(c) else ("dtype", "torch_dtype", "params_dtype")
         dtype = _first(c, names, None) or 2
     if flash_attention is None:
         impl = _first(c, ("_attn_implementation_internal", "attn_implementation"), None)
@@ -532,7 +541,7 @@ def as_config(model_or_config: Any, *, seq_len: int | None = None, micro_batch: 
                                       flash_attention=flash_attention)
         return out
     cfg = model_or_config
-    if not isinstance(cfg, Mapping) and not _looks_like_hf_config(cfg):
+    if not isinstance(cfg, Mapping) and not looks_like_hf_config(cfg):
         inner = getattr(cfg, "config", None)
         if inner is None:
             raise SolverError(f"cannot read a transformer shape from {type(cfg).__name__}: pass a "

@@ -9,8 +9,8 @@ from typing import Any
 
 from graphs.units import format_bytes
 from solver.errors import InfeasibleBudget
-from solver.policy import (LayerAction, LayerPolicy, _check_graph_options, _wants_graph, budget_bytes_of,
-                           build_graph_planner, build_planner, check_batch_options)
+from solver.policy import (LayerAction, LayerPolicy, budget_bytes_of, build_graph_planner, build_planner,
+                           check_batch_options, check_graph_options, wants_graph)
 
 __all__ = ["Estimate", "estimate"]
 
@@ -169,7 +169,7 @@ def estimate(model_or_config: Any, gpu_gb: float, *, seq_len: int | None = None,
     """
     budget = budget_bytes_of(gpu_gb, reserved_bytes)
     check_batch_options(seq_len=seq_len, micro_batch=micro_batch)
-    if _wants_graph(model_or_config, options.pop("via", "auto")):
+    if wants_graph(model_or_config, options.pop("via", "auto")):
         return _estimate_graph(model_or_config, budget, seq_len=seq_len, micro_batch=micro_batch,
                                max_seq_cap=max_seq_cap, max_batch_cap=max_batch_cap, **options)
     options.pop("via", None)
@@ -198,7 +198,7 @@ def _estimate_graph(model: Any, budget: int, *, seq_len, micro_batch, max_seq_ca
                     example_inputs: Any = None, search: bool | None = None, **options) -> Estimate:
     graph_opts = {k: options.pop(k) for k in ("optimizer", "hardware", "allow_offload", "blocks", "measure_time",
                                                "loss_fn", "world_size", "sharding") if k in options}
-    _check_graph_options(**options)
+    check_graph_options(**options)
     gp = build_graph_planner(model, example_inputs=example_inputs, seq_len=seq_len, micro_batch=micro_batch,
                              **graph_opts)
     L = len(gp.blocks)

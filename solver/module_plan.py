@@ -24,7 +24,7 @@ import numpy as np
 from graphs import ComputeGraph
 from graphs.actions import CHECKPOINTED, MATMUL_OPS, LayerAction, saves_output
 from solver.errors import InfeasibleBudget, NoScheduleFound
-from solver.plans import _recompute_missing, sequence_from_keep
+from solver.plans import recompute_missing, sequence_from_keep
 from solver.schedule import Schedule
 from solver.simulate import SimulationResult, simulate
 
@@ -228,7 +228,7 @@ class BlockIndex:
             need = [u for u in sim.early_preds[r] if avail[u] == 0]
             if need:
                 seq: list[int] = []
-                _recompute_missing(need, 1, avail, seq, preds=sim.preds.__getitem__,
+                recompute_missing(need, 1, avail, seq, preds=sim.preds.__getitem__,
                                    forward=sim.forward.__getitem__, name=sim.ids.__getitem__)
                 chunks.append((r, np.array(seq, dtype=np.int64)))
         edges = _sac_edges(self.graph, {block: action}, self.graph.ops, index=self)
@@ -312,7 +312,7 @@ class _IndexedSimulation:
             if e:
                 missing = [u for u in e if avail[u] == 0]
                 if missing:
-                    _recompute_missing(missing, 1, avail, seq, preds=preds.__getitem__, forward=forward.__getitem__,
+                    recompute_missing(missing, 1, avail, seq, preds=preds.__getitem__, forward=forward.__getitem__,
                                       name=ids.__getitem__)
             seq.append(i)
         return [ids[i] for i in seq]

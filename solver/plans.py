@@ -40,6 +40,7 @@ __all__ = [
     "sequence_from_keep",
     "stage_regions",
     "cheapest_fitting",
+    "recompute_missing",
 ]
 
 _KEPT = -1  # region tag of a copy that serves every later consumer
@@ -335,17 +336,44 @@ def sequence_from_keep(
 
 def _recompute(graph: ComputeGraph, targets: list, r: int, avail: dict, seq: list) -> None:
     """Append recomputations of ``targets`` (and missing ancestors) in a topological order."""
-    _recompute_missing(targets, r, avail, seq, preds=graph.op_preds,
+    recompute_missing(targets, r, avail, seq, preds=graph.op_preds,
                       forward=lambda v: graph[v]["phase"] == "forward", name=lambda v: v)
 
 
-def _recompute_missing(targets: list, r: int, avail: dict, seq: list, *, preds, forward, name) -> None:
+def recompute_missing(targets: list, r: int, avail: dict, seq: list, *, preds, forward, name) -> None:
     """:func:`sequence_from_keep`'s recomputation on any numbering of the ops: append
     ``targets`` and their missing ancestors to ``seq``, preds before the node.
 
-    ``preds(v)``: the op inputs of ``v``, in the graph's order; ``forward(v)``: whether
-    ``v`` is a forward op; ``name(v)``: its node id, for the error; ``avail``: node ->
-    region tag of its live copy (``-1``: serves every region)."""
+    Parameters
+    ----------
+    targets : list
+        Ops whose values are needed now.
+    r : int
+        Region tag of the recomputed copies.
+    avail : dict
+        Node -> region tag of its live copy (``-1``: serves every region); updated.
+    seq : list
+        The sequence so far; the recomputations are appended.
+    preds : callable
+        ``preds(v)``: the op inputs of ``v``, in the graph's order.
+    forward : callable
+        ``forward(v)``: whether ``v`` is a forward op (only those can be recomputed).
+    name : callable
+        ``name(v)``: its node id, for the error.
+
+    Raises
+    ------
+    NoScheduleFound
+        A backward value is needed but no longer resident.
+
+    Examples
+    --------
+    >>> seq, avail = ["a", "b", "c"], {"a": -1}
+    >>> recompute_missing(["c"], 1, avail, seq, preds={"b": ["a"], "c": ["b"]}.__getitem__,
+    ...                   forward=lambda v: True, name=str)
+    >>> seq
+    ['a', 'b', 'c', 'b', 'c']
+    """
     # iterative post-order DFS: preds before the node
     done: set = set()
     for t in targets:

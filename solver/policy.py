@@ -9,6 +9,31 @@ stages are planned separately, each with its own micro-batches in flight. Under 
 parallelism (``sharding="ddp"`` or ``"fsdp"`` with ``world_size`` ranks) the budget and
 every peak are per rank: DDP adds its gradient buckets, FSDP2 shards parameters,
 gradients and optimizer state and adds the units it gathers (:mod:`solver.distributed`).
+
+How a plan is made
+------------------
+Memory of a pipeline stage (one device, bytes)::
+
+    static (parameters x (param + grad + optimizer bytes))
+    + in_flight x (kept bytes of its layers + embedding/output activations)
+    + backward workspace + max(largest transient of its layers, loss workspace)
+
+Under 1F1B (Narayanan et al. 2021) stage ``i`` (0-based) of ``P`` holds up to
+``P - i`` micro-batches of activations; under GPipe, all ``num_microbatches``. Layers
+split evenly over stages (a remainder goes to the last stages); each stage is planned
+on its own and the reported peak is the largest. Per layer, kept bytes follow
+Korthikanti et al. 2022 (see :mod:`solver.analytic`); the transient is what a
+recomputed (or brought back) layer re-materializes during its backward.
+
+The choice is exact: for each bound on the largest transient, a Pareto dynamic
+program over the layers of a stage (a multiple-choice knapsack: kept bytes vs extra
+FLOPs) keeps every non-dominated (bytes, FLOPs) pair; the cheapest pair that fits
+wins. Complexity O(L x F x K log(F K)) per stage for L layers, K <= 4 options and a
+front of F pairs (F stays in the hundreds for identical layers).
+
+Offload (only with ``hardware``) keeps nothing on the device; it is charged only the
+host-transfer time that the layer's own forward (out) and backward (back) cannot
+hide, converted to FLOPs at the device's peak rate.
 """
 
 from __future__ import annotations
@@ -35,7 +60,8 @@ if TYPE_CHECKING:
     from solver.models import CapturedModel
 
 __all__ = ["LayerAction", "LayerOption", "StagePlan", "LayerPolicy", "policy", "build_planner", "budget_bytes_of", "check_batch_options",
-           "SCHEDULES", "GraphPlanner", "build_graph_planner", "layer_blocks"]
+           "SCHEDULES", "GraphPlanner", "build_graph_planner", "layer_blocks",
+           "check_graph_options", "wants_graph"]
 
 log = logging.getLogger(__name__)
 
@@ -672,8 +698,31 @@ def build_graph_planner(model: Any, *, example_inputs: Any = None, seq_len: int 
     return GraphPlanner(captured, optimizer=optimizer, **opts)
 
 
-def _check_graph_options(*, pipeline_parallel: int = 1, **config_only: Any) -> None:
-    """The captured path plans one device's step as captured: no parallelism knobs."""
+def check_graph_options(*, pipeline_parallel: int = 1, **config_only: Any) -> None:
+    """Refuse the config-only options on the captured path, which plans one device's step
+    as captured: no parallelism knobs, no dtype or attention overrides.
+
+    Parameters
+    ----------
+    pipeline_parallel : int
+        Must be 1 (or None).
+    **config_only
+        Options that only the config path reads (``tensor_parallel``, ``dtype``, ...);
+        each must be None or False (``tensor_parallel`` may be 1).
+
+    Raises
+    ------
+    SolverError
+        Naming the options to drop or to plan with ``via='config'``.
+
+    Examples
+    --------
+    >>> check_graph_options(pipeline_parallel=1, tensor_parallel=None, dtype=None)
+    >>> check_graph_options(dtype="bf16")
+    Traceback (most recent call last):
+    ...
+    solver.errors.SolverError: dtype only apply to via='config'; the captured graph fixes them (build the model in the dtype you want)
+    """
     if pipeline_parallel not in (None, 1) or config_only.get("tensor_parallel") not in (None, 1):
         raise SolverError("tensor/pipeline parallelism is planned from a config (via='config'); the captured "
                           "graph is one device's step")
@@ -683,7 +732,26 @@ def _check_graph_options(*, pipeline_parallel: int = 1, **config_only: Any) -> N
                           "(build the model in the dtype you want)")
 
 
-def _wants_graph(model_or_config: Any, via: str) -> bool:
+def wants_graph(model_or_config: Any, via: str) -> bool:
+    """Whether :func:`policy` plans on the captured graph (True) or on the config (False).
+
+    Parameters
+    ----------
+    model_or_config : any
+        What :func:`policy` was given.
+    via : {"auto", "graph", "config"}
+        ``"auto"``: the graph for an ``nn.Module``, else the config.
+
+    Raises
+    ------
+    SolverError
+        An unknown ``via``, or ``via="graph"`` without an ``nn.Module``.
+
+    Examples
+    --------
+    >>> wants_graph({"num_hidden_layers": 2}, "auto")
+    False
+    """
     if via not in ("auto", "graph", "config"):
         raise SolverError(f"via must be 'auto', 'graph' or 'config', got {via!r}")
     if via == "config":
@@ -724,7 +792,7 @@ def build_planner(model_or_config: Any, *, seq_len=None, micro_batch=None, dtype
     """
     over = dict(seq_len=seq_len, micro_batch=micro_batch, dtype=dtype, tensor_parallel=tensor_parallel,
                 sequence_parallel=sequence_parallel, flash_attention=flash_attention)
-    if (isinstance(model_or_config, TransformerConfig) or analytic._looks_like_hf_config(model_or_config)
+    if (isinstance(model_or_config, TransformerConfig) or analytic.looks_like_hf_config(model_or_config)
             or isinstance(model_or_config, dict)):
         cfg = analytic.as_config(model_or_config, **over)
     else:
@@ -791,28 +859,8 @@ def policy(model_or_config: Any, gpu_gb: float, *, seq_len: int | None = None, m
     """Per layer none / selective / full / offload, so that a training step fits ``gpu_gb``
     with the least extra compute.
 
-    Memory of a pipeline stage (one device, bytes)::
-
-        static (parameters x (param + grad + optimizer bytes))
-        + in_flight x (kept bytes of its layers + embedding/output activations)
-        + backward workspace + max(largest transient of its layers, loss workspace)
-
-    Under 1F1B (Narayanan et al. 2021) stage ``i`` (0-based) of ``P`` holds up to
-    ``P - i`` micro-batches of activations; under GPipe, all ``num_microbatches``. Layers
-    split evenly over stages (a remainder goes to the last stages); each stage is planned
-    on its own and the reported peak is the largest. Per layer, kept bytes follow
-    Korthikanti et al. 2022 (see :mod:`solver.analytic`); the transient is what a
-    recomputed (or brought back) layer re-materializes during its backward.
-
-    The choice is exact: for each bound on the largest transient, a Pareto dynamic
-    program over the layers of a stage (a multiple-choice knapsack: kept bytes vs extra
-    FLOPs) keeps every non-dominated (bytes, FLOPs) pair; the cheapest pair that fits
-    wins. Complexity O(L x F x K log(F K)) per stage for L layers, K <= 4 options and a
-    front of F pairs (F stays in the hundreds for identical layers).
-
-    Offload (only with ``hardware``) keeps nothing on the device; it is charged only the
-    host-transfer time that the layer's own forward (out) and backward (back) cannot
-    hide, converted to FLOPs at the device's peak rate.
+    The memory model and the search are described in the module docstring
+    (:mod:`solver.policy`).
 
     Parameters
     ----------
@@ -893,8 +941,8 @@ def policy(model_or_config: Any, gpu_gb: float, *, seq_len: int | None = None, m
     """
     budget = budget_bytes_of(gpu_gb, reserved_bytes)
     check_batch_options(seq_len=seq_len, micro_batch=micro_batch)
-    if _wants_graph(model_or_config, via):
-        _check_graph_options(tensor_parallel=tensor_parallel, pipeline_parallel=pipeline_parallel, dtype=dtype,
+    if wants_graph(model_or_config, via):
+        check_graph_options(tensor_parallel=tensor_parallel, pipeline_parallel=pipeline_parallel, dtype=dtype,
                              sequence_parallel=sequence_parallel, num_microbatches=num_microbatches,
                              grad_bytes=grad_bytes, flash_attention=flash_attention)
         gp = build_graph_planner(model_or_config, example_inputs=example_inputs, seq_len=seq_len,
