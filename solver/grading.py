@@ -1,46 +1,18 @@
-"""Budgets and grades: the checks every schedule passes, whatever method made it.
+"""Grades: the checks every schedule passes, whatever method made it.
 
-:func:`check_budget` refuses a budget below the smallest feasible peak (naming it);
 :func:`grade` fills a schedule's cost and peak from :func:`solver.simulate`, the one
-judge, and rejects an invalid one or one over its budget.
+judge, and rejects an invalid one or one over its budget. The budget itself is checked
+before any method runs, by :func:`solver.solving.check_budget`.
 """
 
 from __future__ import annotations
 
-import math
-
 from graphs import ComputeGraph
-from solver.errors import BudgetNotReached, InfeasibleBudget, SolverError
-from solver.feasibility import peak_lower_bound
+from solver.errors import SolverError
 from solver.schedule import Schedule
 from solver.simulate import simulate
 
-__all__ = ["check_budget", "grade", "infeasible", "culprit_label"]
-
-
-def check_budget(graph: ComputeGraph, budget_bytes: float) -> int:
-    """Validate a budget: a plain ValueError for nonsense, InfeasibleBudget below the bound."""
-    try:
-        b = float(budget_bytes)
-    except (TypeError, ValueError):
-        raise ValueError(f"budget must be a number of bytes, got {budget_bytes!r}") from None
-    if math.isnan(b) or b <= 0:
-        raise ValueError(f"budget must be a positive number of bytes, got {budget_bytes!r}")
-    if math.isinf(b):
-        b = float(2**62)
-    budget = int(b)
-    lb, culprit = peak_lower_bound(graph)
-    if budget < lb:
-        raise infeasible(graph, budget)
-    return budget
-
-
-def infeasible(graph: ComputeGraph, budget: int) -> InfeasibleBudget:
-    from solver.methods.minpeak import smallest_feasible_peak
-
-    found, lb, culprit = smallest_feasible_peak(graph)
-    cls = InfeasibleBudget if budget < lb else BudgetNotReached
-    return cls(budget, found, lower_bound_bytes=lb, culprit=culprit, culprit_name=culprit_label(graph, culprit))
+__all__ = ["grade", "culprit_label"]
 
 
 def culprit_label(graph: ComputeGraph, culprit) -> str | None:

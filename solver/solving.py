@@ -15,13 +15,14 @@ import time
 from graphs import ComputeGraph
 from graphs.compute_graph import validated
 from solver.errors import BudgetNotReached, InfeasibleBudget, NoScheduleFound
-from solver.grading import check_budget, culprit_label, grade
+from solver.feasibility import peak_lower_bound
+from solver.grading import culprit_label, grade
 from solver.registry import MethodInfo, OptionError, registered
 from solver.schedule import Schedule
 from solver.simulate import simulate
 
 __all__ = ["methods", "get_method", "solve", "check_budget", "checked_budget", "checked_time_limit", "grade",
-           "reached_floor"]
+           "infeasible", "reached_floor"]
 
 
 def _load_all() -> None:
@@ -176,6 +177,55 @@ def solve(
         raise _not_reached(graph, budget, exc, left, prove=info.family != "offload") from None
     elapsed = time.perf_counter() - t0
     return grade(graph, schedule, budget, solve_seconds=elapsed)
+
+
+def check_budget(graph: ComputeGraph, budget_bytes: float) -> int:
+    """Validate a budget: a plain ValueError for nonsense, InfeasibleBudget below the
+    proven lower bound on the peak (:func:`solver.feasibility.peak_lower_bound`).
+
+    Examples
+    --------
+    >>> g = ComputeGraph()
+    >>> for i in range(3): g.add_node(i, bytes=10, time=1.0)
+    >>> g.add_edge(0, 1); g.add_edge(1, 2)
+    >>> check_budget(g, 20.5), check_budget(g, float("inf")) == 2**62
+    (20, True)
+    """
+    try:
+        b = float(budget_bytes)
+    except (TypeError, ValueError):
+        raise ValueError(f"budget must be a number of bytes, got {budget_bytes!r}") from None
+    if math.isnan(b) or b <= 0:
+        raise ValueError(f"budget must be a positive number of bytes, got {budget_bytes!r}")
+    if math.isinf(b):
+        b = float(2**62)
+    budget = int(b)
+    lb, culprit = peak_lower_bound(graph)
+    if budget < lb:
+        raise infeasible(graph, budget)
+    return budget
+
+
+def infeasible(graph: ComputeGraph, budget: int) -> InfeasibleBudget:
+    """The error for a ``budget`` no schedule reaches: :class:`InfeasibleBudget` below the
+    proven lower bound, else :class:`BudgetNotReached`, naming the smallest peak the
+    low-memory search (:func:`solver.methods.minpeak.smallest_feasible_peak`) reaches.
+
+    Examples
+    --------
+    >>> g = ComputeGraph()
+    >>> for i in range(3): g.add_node(i, bytes=10, time=1.0)
+    >>> g.add_edge(0, 1); g.add_edge(1, 2)
+    >>> exc = infeasible(g, 5)
+    >>> type(exc).__name__, exc.smallest_feasible_bytes
+    ('InfeasibleBudget', 20)
+    """
+    # imported here: importing a method module loads every method, and some import this one
+    from solver.methods.minpeak import smallest_feasible_peak
+
+    found, lb, culprit = smallest_feasible_peak(graph)
+    cls = InfeasibleBudget if budget < lb else BudgetNotReached
+    return cls(budget, found, lower_bound_bytes=lb, culprit=culprit, culprit_name=culprit_label(graph, culprit))
 
 
 def checked_budget(graph: ComputeGraph, budget_bytes: float, *, method: str = "auto",
