@@ -4,7 +4,7 @@ A :class:`graphs.ComputeGraph` charges its sources (parameters, buffers, inputs)
 resident for the whole step, and its backward outputs (the gradients) from the op that
 makes them on. Everything else a step holds for its whole length is a *fixed charge*:
 the optimizer state, the gradient seed of ``loss.backward()``, the generator states a
-replayed random op keeps, DDP's gradient buckets. Each has one owner that sets it with
+replayed random op keeps, DDP's gradient buckets, the gradients accumulated before it. Each has one owner that sets it with
 :func:`charge` (a field is set, never added to), so the total does not depend on the
 order the owners run in; the total is ``meta["extra_fixed_bytes"]``, the figure
 :attr:`graphs.ComputeGraph.fixed_bytes` reads and a graph's JSON carries.
@@ -35,6 +35,9 @@ class FixedCharges:
         Generator states kept to replay random ops (:func:`graphs.rewrite.replay_random_ops`).
     buckets : int
         DDP's gradient buckets.
+    grads : int
+        Gradients the parameters already hold when the step starts (accumulated over
+        micro-batches, or not set to None between steps): resident for its whole length.
     other : int
         Charged by whoever wrote the graph (a loaded graph's ``extra_fixed_bytes``).
 
@@ -48,12 +51,13 @@ class FixedCharges:
     seed: int = 0
     rng_states: int = 0
     buckets: int = 0
+    grads: int = 0
     other: int = 0
 
     @property
     def total(self) -> int:
         """All fixed charges together (``meta["extra_fixed_bytes"]``)."""
-        return self.optimizer + self.seed + self.rng_states + self.buckets + self.other
+        return self.optimizer + self.seed + self.rng_states + self.buckets + self.grads + self.other
 
     @property
     def untracked(self) -> int:
@@ -70,7 +74,7 @@ def fixed_charges(graph: Any) -> FixedCharges:
     >>> from graphs import ComputeGraph
     >>> g = ComputeGraph(meta={"extra_fixed_bytes": 100})
     >>> fixed_charges(g)
-    FixedCharges(optimizer=0, seed=0, rng_states=0, buckets=0, other=100)
+    FixedCharges(optimizer=0, seed=0, rng_states=0, buckets=0, grads=0, other=100)
     """
     fields = graph.meta.get(_KEY)
     if fields is None:

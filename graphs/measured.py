@@ -38,7 +38,7 @@ from graphs.compute_graph import BACKWARD_START, ComputeGraph
 from graphs.costs import StepRunner, measure_workspaces, remember_workspaces, time_ops
 from graphs.errors import CaptureError
 from graphs.memory import resident_bytes
-from graphs.rewrite import is_tangent, schedule_graphs
+from graphs.rewrite import is_tangent, schedule_graphs, transfers
 
 __all__ = ["ScheduleRun", "measure_in_schedule"]
 
@@ -79,9 +79,11 @@ class _Runnable(torch.nn.Module):
             return getattr(self.__dict__["_owner"], name)
 
 
-def _schedule_runner(cg: ComputeGraph, sequence: Sequence[Hashable]) -> tuple[StepRunner, list]:
-    """A runner of the forward and backward graphs of ``sequence`` on real values, and
-    the values that exist before it runs (parameters, buffers, inputs)."""
+def _schedule_runner(cg: ComputeGraph, sequence: Sequence[Hashable],
+                     offloads: Sequence[Any] = ()) -> tuple[StepRunner, list]:
+    """A runner of the forward and backward graphs of ``sequence`` (and its
+    ``offloads``, through :mod:`graphs.host_pool`) on real values, and the values that
+    exist before it runs (parameters, buffers, inputs)."""
     info = cg.capture_info
     gm = cg.fx
     placeholders = [n for n in gm.graph.nodes if n.op == "placeholder"]
@@ -89,8 +91,8 @@ def _schedule_runner(cg: ComputeGraph, sequence: Sequence[Hashable]) -> tuple[St
     tangents = [n for n in placeholders if is_tangent(n)]
     out_node = next(n for n in reversed(gm.graph.nodes) if n.op == "output")
     num_fwd = len(out_node.args[0]) - len(primals)
-    seq = [str(s) for s in sequence if s != BACKWARD_START]
-    fw, bw = (_Runnable(g, gm) for g in schedule_graphs(gm, seq, num_fwd_outputs=num_fwd)[:2])
+    seq, slots = transfers(sequence, offloads, skip=(BACKWARD_START,))
+    fw, bw = (_Runnable(g, gm) for g in schedule_graphs(gm, seq, num_fwd_outputs=num_fwd, offloads=slots)[:2])
     values = real_placeholder_values(placeholders, info.step, info.flat_inputs)
     by_name = dict(zip((p.name for p in placeholders), values))
     primal_values = [by_name[p.name] for p in primals]
@@ -116,7 +118,7 @@ def _schedule_runner(cg: ComputeGraph, sequence: Sequence[Hashable]) -> tuple[St
 
 
 def measure_in_schedule(cg: ComputeGraph, sequence: Sequence[Hashable], *, times: bool = True,
-                        repeats: int = 5) -> ScheduleRun:
+                        repeats: int = 5, offloads: Sequence[Any] = ()) -> ScheduleRun:
     """Measure the ops of a captured step by running ``sequence``, a schedule of it, on
     the tensors it was captured with, and write the figures onto ``cg``.
 
@@ -138,6 +140,10 @@ def measure_in_schedule(cg: ComputeGraph, sequence: Sequence[Hashable], *, times
         Also time the ops (one more run of the schedule, plus its warm-up).
     repeats : int, keyword-only
         Timed runs per op.
+    offloads : sequence of Offload, keyword-only
+        The schedule's offloads (:class:`solver.schedule.Offload`): the run copies those
+        values to the host and back as the rewrite does, so that it holds no more than
+        the schedule.
 
     Returns
     -------
@@ -157,7 +163,7 @@ def measure_in_schedule(cg: ComputeGraph, sequence: Sequence[Hashable], *, times
     if info.backward != "outputs":
         raise CaptureError("measure_in_schedule needs a graph captured with backward='outputs'")
     t0 = time.perf_counter()
-    runner, resident = _schedule_runner(cg, sequence)
+    runner, resident = _schedule_runner(cg, sequence, offloads)
     tensors = [t for t in resident if isinstance(t, torch.Tensor)]
     devices = {t.device.type for t in tensors}
     cuda = sorted({t.device.index or 0 for t in tensors if t.device.type == "cuda"})

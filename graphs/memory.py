@@ -235,6 +235,17 @@ def _native_stderr_quiet():
         os.close(null)
 
 
+def _start_quietly(prof: Any) -> None:
+    """Start ``prof`` with the native lines quieted, and let c10 say there what it warns
+    once per process the first time a block allocated before a profiler is freed
+    inside it (``Memory block of unknown size ...``): otherwise the first such free of
+    a measured step writes it to the user's terminal."""
+    canary = torch.empty(1)  # allocated before the profiler starts
+    with _native_stderr_quiet():
+        prof.__enter__()
+        del canary
+
+
 @contextlib.contextmanager
 def quiet_profile(**options: Any):
     """``torch.profiler.profile(**options)`` as a ``with`` block whose start and stop
@@ -249,8 +260,7 @@ def quiet_profile(**options: Any):
     True
     """
     prof = torch.profiler.profile(**options)
-    with _native_stderr_quiet():
-        prof.__enter__()
+    _start_quietly(prof)
     try:
         yield prof
     except BaseException:
@@ -440,8 +450,7 @@ class AllocatorPeak:
                 raise _user_profiler_running()
             self._prof = torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CPU],
                                                 profile_memory=True)
-            with _native_stderr_quiet():
-                self._prof.__enter__()
+            _start_quietly(self._prof)
         else:
             stats = torch.cuda if device.type == "cuda" else torch.accelerator
             stats.synchronize(device)

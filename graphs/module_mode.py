@@ -478,6 +478,8 @@ def measure_block_actions(model: nn.Module, args: tuple, kwargs: Mapping[str, An
     stats = (torch.cuda if device.type == "cuda" else torch.accelerator) if accelerator else None
     params = [p for p in sub.parameters() if p.requires_grad]
     grads = [p.grad for p in params]
+    for p in params:  # (a backward would accumulate into the held tensors in place)
+        p.grad = None
 
     def once(action: str) -> float:
         if accelerator:

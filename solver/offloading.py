@@ -25,7 +25,7 @@ from solver.methods.offload import offload_summary
 from solver.schedule import Schedule
 from solver.solving import solve
 
-__all__ = ["graph_device", "link_bandwidth", "offload_note", "with_offload"]
+__all__ = ["graph_device", "link_bandwidth", "offload_note", "reach_by_offload", "with_offload"]
 
 log = logging.getLogger(__name__)
 
@@ -92,6 +92,38 @@ def with_offload(graph: ComputeGraph, schedule: Schedule, budget: int, *,
         return schedule
     if not planned.offloads or not planned.cost < schedule.cost:
         return schedule
+    planned.budget_bytes = budget
+    planned.info["link_bandwidth"] = bandwidth
+    return planned
+
+
+def reach_by_offload(graph: ComputeGraph, budget: int, *, time_limit: float | None = None) -> Schedule | None:
+    """The ``offload`` method's plan within ``budget`` at the measured link, for a budget
+    that no recomputation reaches; None where offload reaches none either.
+
+    Values leave for the host in the reference order's forward and come back before
+    their backward readers (``mode="offload"``): a plan of a budget below what any
+    recomputing schedule holds, whatever its link time.
+
+    Examples
+    --------
+    >>> from solver import simulate
+    >>> from solver.synthetic import training_chain
+    >>> g = training_chain(6, fwd_bytes=10)
+    >>> simulate(g, g.order).peak_bytes
+    71
+    >>> plan = reach_by_offload(g, 60)
+    >>> bool(plan.offloads), plan.peak_bytes <= 60
+    (True, True)
+    >>> reach_by_offload(g, 45) is None
+    True
+    """
+    bandwidth = link_bandwidth(graph)
+    try:
+        planned = solve(graph, budget, method="offload", bandwidth=bandwidth, mode="offload", time_limit=time_limit)
+    except (RematError, ValueError) as exc:
+        log.info("offload reaches no plan within %s either: %s", format_bytes(budget), exc)
+        return None
     planned.budget_bytes = budget
     planned.info["link_bandwidth"] = bandwidth
     return planned

@@ -19,8 +19,9 @@ from torch import nn
 from graphs import CaptureError, ComputeGraph, RematError
 from graphs.capture import capture
 from graphs.compute_graph import BACKWARD_START, repeated_note
-from graphs.fixed import charge
+from graphs.fixed import charge, fixed_charges
 from graphs.loss import charge_loss
+from graphs.memory import resident_bytes
 from graphs.graph_mode import ScheduledStep
 from graphs.module_mode import layer_blocks
 from graphs.planned import ModuleStep
@@ -28,7 +29,7 @@ from graphs.repeated import capture_cut
 from graphs.rewrite import replay_random_ops
 from graphs.units import format_bytes
 from solver.checks import PlanningInputs, Session, fit_measured, measured_peak, self_check
-from solver.errors import SolverError
+from solver.errors import InfeasibleBudget, SolverError
 from solver.fixed import SEED_RESERVE, untracked_bytes
 from solver.module_plan import hold_node_inputs, plan_modules
 from solver.solving import checked_budget, reached_floor, solve
@@ -173,6 +174,11 @@ def _plan_step(model: nn.Module, args: tuple, kwargs: dict, *, request: Request,
     report.check_seconds = max(0.0, time.perf_counter() - t0 - report.capture_seconds - report.measure_seconds
                                - report.solve_seconds)
     loss_note(report, cap.graph, loss_fn=request.loss_fn)
+    grads = fixed_charges(cap.graph).grads
+    if grads:
+        report.notes.append(f"the parameters held {format_bytes(grads)} of gradients when planned: the plan keeps "
+                            "them through the step, as gradient accumulation does (call zero_grad(set_to_none=True) "
+                            "before optimize() to plan without them)")
     planning_note(report, cap, session)
     session.publish()
     log.info("%s", session.report)
@@ -207,7 +213,8 @@ def capture_step(model: nn.Module, args: tuple, kwargs: dict, *, request: Reques
     # the model's layers: checkpointing each is a schedule every plan is measured against
     # (solver.methods.blocks.per_block_schedule: auto's start, the smallest-feasible floor)
     cg.meta["layer_blocks"] = list(blocks)
-    charge(cg, optimizer=request.optimizer_bytes, seed=SEED_RESERVE)
+    # gradients the model holds now (accumulation over micro-batches) stay through the step
+    charge(cg, optimizer=request.optimizer_bytes, seed=SEED_RESERVE, grads=held_gradient_bytes(model))
     if request.loss_fn is not None:
         charge_loss(cg, request.loss_fn, outputs_of=cut.cut if cut is not None else None)
     if request.dp is not None:
@@ -258,11 +265,18 @@ def measure_within(cap: Captured, *, request: Request, held_back: int = 0) -> Ca
     # the cut capture carries none of the step's charges (optimizer state, loss, seed)
     more = beside + (cg.meta.get("extra_fixed_bytes", 0) if cap.cut is not None else 0)
     store_all = simulate(run_on, run_on.order).peak_bytes + more  # by the capture's estimates
+    offloads: list = []
     if store_all <= MEASURE_MARGIN * target:
         sequence = list(run_on.order)
     else:  # schedules of a view whose random ops may run again, as the rewrite replays them
-        sequence = lowest_peak_sequence(replayed_view(run_on), target=int(target - more))
-    peaks = [measure_in_schedule(run_on, sequence, times=times).peak_bytes]
+        view = replayed_view(run_on)
+        sequence = lowest_peak_sequence(view, target=int(target - more))
+        if request.offload and simulate(view, sequence).peak_bytes > target - more:
+            # what no recomputation reaches is measured in a plan that offloads
+            planned = offload_only(view, int(target - more), request=request)
+            if planned is not None:
+                sequence, offloads = planned.sequence, list(planned.offloads)
+    peaks = [measure_in_schedule(run_on, sequence, times=times, offloads=offloads).peak_bytes]
     if cap.cut is not None:
         cap.cut.copy_costs()
     judged = [p + untracked_bytes(cg) + beside for p in peaks if p is not None]
@@ -322,6 +336,22 @@ GRAPH_RESERVE = 0.005
 #: the reference order measures a step when its estimated peak is this far within the
 #: budget: the capture's workspaces are estimates until measured
 MEASURE_MARGIN = 0.9
+
+
+def held_gradient_bytes(model: nn.Module) -> int:
+    """Bytes of the gradients the model's parameters hold now (each storage once)."""
+    return resident_bytes([p.grad for p in model.parameters() if p.grad is not None])
+
+
+def offload_only(cg: ComputeGraph, target: int, *, request: Request) -> Schedule | None:
+    """With ``offload=True`` in graph mode's ``auto``, the plan that reaches ``target``
+    by offloading where no recomputing schedule does
+    (:func:`solver.offloading.reach_by_offload`); None otherwise."""
+    if not (request.offload and request.method == "auto" and request.mode != "module"):
+        return None
+    from solver.offloading import reach_by_offload
+
+    return reach_by_offload(cg, target, time_limit=request.time_limit)
 
 
 def replayed_view(cg: ComputeGraph) -> ComputeGraph:
@@ -542,14 +572,20 @@ def plan_graph(*, cap: Captured, request: Request, session: Session, method: str
     replay_random_ops(cg)  # the rewrite replays the generator state of a random op it runs again
     store_all = simulate(cg, cg.order).peak_bytes  # with the generator states it keeps
     target = cap.budget - margin
-    # raises InfeasibleBudget naming the smallest feasible peak and the bound
-    checked_budget(cg, target, method=method, time_limit=request.time_limit)
-    if target >= store_all and method == "auto":
-        schedule = solve(cg, target, method="store_all")
-    else:
-        tolerance = {"gap_tolerance": request.gap_tolerance} if method == "auto" else {}
-        schedule = solve(cg, target, method=method, time_limit=request.time_limit, **tolerance)
-    if request.offload and method == "auto":
+    offload = request.offload and method == "auto"
+    try:
+        # raises InfeasibleBudget naming the smallest feasible peak and the bound
+        checked_budget(cg, target, method=method, time_limit=request.time_limit)
+        if target >= store_all and method == "auto":
+            schedule = solve(cg, target, method="store_all")
+        else:
+            tolerance = {"gap_tolerance": request.gap_tolerance} if method == "auto" else {}
+            schedule = solve(cg, target, method=method, time_limit=request.time_limit, **tolerance)
+    except InfeasibleBudget:
+        schedule = offload_only(cg, target, request=request) if offload else None
+        if schedule is None:
+            raise
+    if offload and not schedule.offloads:
         from solver.offloading import with_offload
         schedule = with_offload(cg, one_run_per_op(cg, schedule, target), target, time_limit=request.time_limit)
     eager = schedule.sequence == list(cg.order) and not schedule.offloads  # the original forward runs it as it is

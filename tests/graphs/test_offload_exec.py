@@ -269,6 +269,17 @@ def _check_windows(fg, bg, trs):
             assert pos[back] > pos[released]
 
 
+def _real_step_peak(fast, args, loss_fn):
+    """The allocator's peak of one training step of the planned module (its watch)."""
+    opt = torch.optim.SGD(fast.parameters(), lr=0.0)
+    out = fast(*args)
+    loss_fn(out).backward()
+    del out
+    opt.step()  # ends the measurement of the step
+    opt.zero_grad(set_to_none=True)
+    return fast.report.step_peak_bytes
+
+
 def _aliases(n):
     return n.op == "call_function" and _is_view(n)
 
@@ -290,13 +301,7 @@ def test_optimize_with_offload_lets_auto_offload_and_the_real_step_fits():
     assert report.predicted_overhead < recompute_only.report.predicted_overhead
     loss, grads, _ = _step(model, args, loss_fn, lambda: fast(*args), judged=False)  # (the module judges its step)
     assert torch.equal(loss, want_loss) and all(torch.equal(a, b) for a, b in zip(grads, want))
-    opt = torch.optim.SGD(fast.parameters(), lr=0.0)
-    out = fast(*args)
-    loss_fn(out).backward()
-    del out
-    opt.step()  # ends the measurement of the step
-    opt.zero_grad(set_to_none=True)
-    real = fast.report.step_peak_bytes
+    real = _real_step_peak(fast, args, loss_fn)
     assert real is not None and real <= budget, (real, budget)
     assert abs(real - report.predicted_peak_bytes) <= 0.02 * real
 
@@ -311,3 +316,23 @@ def test_offload_where_nothing_would_offload_is_refused_with_the_reason(options,
     net = torch.nn.Sequential(torch.nn.Linear(8, 8), torch.nn.ReLU(), torch.nn.Linear(8, 1))
     with pytest.raises(solver.OptionError, match=error):
         solver.optimize(net, 1.0, offload=True, **options)
+
+
+@pytest.mark.slow
+def test_a_budget_only_offload_reaches_is_planned_with_offload():
+    import solver
+    from graphs.units import GiB
+
+    model, args, loss_fn = _gpt()
+    want_loss, want, plain = _step(model, args, loss_fn, lambda: model(*args))
+    budget = 0.2 * plain  # below every recomputing schedule of this step
+    with pytest.raises(solver.InfeasibleBudget):
+        solver.optimize(model, budget / GiB, args, mode="graph", loss_fn=loss_fn)
+    fast = solver.optimize(model, budget / GiB, args, mode="graph", loss_fn=loss_fn, offload=True)
+    report = fast.report
+    assert report.method == "offload" and report.schedule.offloads
+    assert report.planning_peak_bytes <= budget, (report.planning_peak_bytes, budget)
+    loss, grads, _ = _step(model, args, loss_fn, lambda: fast(*args), judged=False)
+    assert torch.equal(loss, want_loss) and all(torch.equal(a, b) for a, b in zip(grads, want))
+    real = _real_step_peak(fast, args, loss_fn)
+    assert real <= budget, (real, budget)

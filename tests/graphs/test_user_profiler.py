@@ -47,3 +47,21 @@ def test_the_judges_own_profiler_prints_nothing(capfd):
     assert judge.peak_bytes >= 4000
     err = capfd.readouterr().err
     assert "profiler_start" not in err and "profiler_stop" not in err and "gpuGetDeviceCount" not in err
+
+
+def test_a_free_inside_the_judge_of_a_block_made_before_it_prints_nothing():
+    # c10 warns once per process, on stderr, when a block allocated before a profiler is
+    # freed inside it: a fresh process, so that no earlier test has used up that warning
+    import os
+    import subprocess
+    import sys
+    from pathlib import Path
+
+    code = ("import torch\nfrom graphs.memory import AllocatorPeak\nx = torch.randn(1000)\n"
+            "with AllocatorPeak() as judge:\n    del x\n    y = torch.randn(10)\nprint(judge.peak_bytes)\n")
+    root = str(Path(__file__).resolve().parents[2])
+    env = {**os.environ, "PYTHONPATH": root + os.pathsep + os.environ.get("PYTHONPATH", "")}
+    done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, env=env, timeout=120)
+    assert done.returncode == 0, done.stderr
+    assert done.stdout.strip() == "40"
+    assert "Memory block of unknown size" not in done.stderr, done.stderr
