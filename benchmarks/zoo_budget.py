@@ -11,8 +11,8 @@ rebuilt in ``tests/graphs/torchvision_like.py`` (the table says which ran). Hugg
 configs (hidden 128, 2 layers of each stack, 4 heads, vocabulary 1024, batch 4 of 64
 tokens, the labels the inputs).
 
-Per model, in a fresh process on one thread with an allocation counter that planning
-does not own preloaded (``tests/solver/c10_allocations.c``: the bytes the c10 CPU
+Per model and fraction, in a fresh process on one thread (at most 600 s) with an
+allocation counter that planning does not own preloaded (``tests/solver/c10_allocations.c``: the bytes the c10 CPU
 allocator holds, read around each call): the plain step's peak (the project's judge,
 :class:`graphs.memory.AllocatorPeak`, which the budgets are fractions of, and the
 counter's) and gradients; then per fraction, ``solver.optimize(model, budget)`` in the
@@ -28,7 +28,8 @@ sizes of :data:`TEST_SIZES`, one fraction per model.
 
 Run: ``python benchmarks/zoo_budget.py [--models resnet18,bert] [--fractions 0.7,0.5]
 [--rebuilt] [--out PATH]``. Prints a Markdown table and writes
-``benchmarks/results/zoo_budget_torch<version>[_torchvision].json``.
+``benchmarks/results/zoo_budget_torch<version>[_torchvision].json`` after each case (a run of
+some models replaces their cases in that file and keeps the others).
 """
 
 from __future__ import annotations
@@ -38,6 +39,7 @@ import importlib.util
 import json
 import pathlib
 import platform
+import subprocess
 import sys
 import tempfile
 import time
@@ -266,7 +268,8 @@ def table(cases: list[dict]) -> str:
              "|---|---|---|---|---|---|---|---|---|---|---|---|"]
     for case in cases:
         if "error" in case:
-            lines.append(f"| {case['model']} | - | - | - | - | crashed: {case['error'][-200:]} | | | | | | no |")
+            why = case["error"].strip().splitlines()[-1][:200] if case["error"].strip() else "?"
+            lines.append(f"| {case['model']} | - | {case.get('frac', '-')} | - | - | crashed: {why} | | | | | | no |")
             continue
         for r in case["rows"]:
             outcome = "planned" if "named" not in r else f"refused, named {_mib(r['named'])}; planned there"
@@ -298,27 +301,34 @@ def main(argv: list[str] | None = None) -> int:
     version = torch.__version__.split("+")[0]
     out = args.out or RESULTS / f"zoo_budget_torch{version}{'_torchvision' if source == 'torchvision' else ''}.json"
     code = f"from benchmarks.zoo_budget import child; child(source={source!r}, scale='bench')"
-    cases = []
-    with tempfile.TemporaryDirectory() as tmp:
-        counter = compile_counter(pathlib.Path(tmp))
-        for name in args.models.split(","):
-            t0 = time.perf_counter()
-            try:
-                case = _optimize_counted(counter, name, args.fractions, child=code)
-            except AssertionError as exc:  # the child crashed: its stderr's tail
-                case = dict(model=name, error=str(exc)[-3000:])
-            case["wall_seconds"] = round(time.perf_counter() - t0, 1)
-            cases.append(case)
-            print(table([case]).splitlines()[-1] if "error" in case else "\n".join(table([case]).splitlines()[2:]),
-                  flush=True)
     tv = None
     if source == "torchvision":
         import torchvision
 
         tv = torchvision.__version__
     run = dict(torch=torch.__version__, torchvision=tv, python=platform.python_version(), vision_source=source,
-               threads=1, fractions=[float(f) for f in args.fractions.split(",")], sizes=BENCH_SIZES, cases=cases)
-    out.parent.mkdir(parents=True, exist_ok=True)
+               threads=1, sizes=BENCH_SIZES, cases=[])
+    if out.exists():  # a run of other models kept: each model's case replaced by this run's
+        kept = json.loads(out.read_text())
+        if (kept.get("torch"), kept.get("vision_source")) == (run["torch"], source):
+            run["cases"] = kept["cases"]
+    cases = run["cases"]
+    with tempfile.TemporaryDirectory() as tmp:
+        counter = compile_counter(pathlib.Path(tmp))
+        for name in args.models.split(","):
+            for frac in args.fractions.split(","):  # a process per case: each within the child's time limit
+                t0 = time.perf_counter()
+                try:
+                    case = _optimize_counted(counter, name, frac, child=code)
+                except (AssertionError, subprocess.TimeoutExpired) as exc:  # the child crashed or ran out of time
+                    case = dict(model=name, frac=float(frac), error=str(exc)[-3000:])
+                case["wall_seconds"] = round(time.perf_counter() - t0, 1)
+                cases[:] = [c for c in cases if (c["model"], c.get("frac", c.get("rows", [{}])[0].get("frac")))
+                            != (name, float(frac))] + [case]
+                out.parent.mkdir(parents=True, exist_ok=True)
+                out.write_text(json.dumps(run, indent=1) + "\n")
+                print(table([case]).splitlines()[-1], flush=True)
+    cases.sort(key=lambda c: (MODELS.index(c["model"]), -c.get("frac", c.get("rows", [{}])[0].get("frac", 0))))
     out.write_text(json.dumps(run, indent=1) + "\n")
     print(table(cases))
     bad = [f"{c['model']}@{r['frac']}" for c in cases for r in c.get("rows", []) if not holds(r)]
