@@ -24,27 +24,15 @@ torch.set_num_threads(1)
 import solver
 from graphs.memory import AllocatorPeak, resident_bytes
 from graphs.units import GiB
+from benchmarks.zoo_budget import make_case
 
 lib = ctypes.CDLL(None)
 lib.c10count_current.restype = lib.c10count_peak.restype = ctypes.c_longlong
 
-def bert():
-    from transformers import BertConfig, BertForMaskedLM
-    cfg = BertConfig(vocab_size=256, hidden_size=64, num_hidden_layers=2, num_attention_heads=4,
-                     intermediate_size=128, max_position_embeddings=64)
-    return BertForMaskedLM(cfg)
-
-def qwen2():
-    from transformers import Qwen2Config, Qwen2ForCausalLM
-    cfg = Qwen2Config(vocab_size=256, hidden_size=64, num_hidden_layers=2, num_attention_heads=4,
-                      num_key_value_heads=2, intermediate_size=128, max_position_embeddings=64, use_cache=False)
-    return Qwen2ForCausalLM(cfg)
-
 name, frac = sys.argv[1], float(sys.argv[2])
 torch.manual_seed(0)
-model = {"bert": bert, "qwen2": qwen2}[name]().train()
-ids = torch.randint(0, 128, (4, 32))
-inputs = {"input_ids": ids, "labels": ids}
+model, inputs, _ = make_case(name, source="rebuilt", scale="test")
+model.train()
 with AllocatorPeak(model, inputs) as judge:
     out = model(**inputs)
     out.loss.backward()
@@ -70,14 +58,22 @@ print("ROW " + json.dumps(row))
 SLACK = 16 * 1024
 
 
-@pytest.fixture(scope="module")
-def counter(tmp_path_factory) -> Path:
+def compile_counter(directory: Path) -> Path | None:
+    """The allocation counter built into ``directory``; None without Linux and a C compiler."""
     cc = shutil.which("cc") or shutil.which("gcc")
     if cc is None or not sys.platform.startswith("linux"):
-        pytest.skip("the allocation counter is a preloaded C library: needs Linux and a C compiler")
-    lib = tmp_path_factory.mktemp("counter") / "c10_allocations.so"
+        return None
+    lib = directory / "c10_allocations.so"
     subprocess.run([cc, "-O2", "-shared", "-fPIC", "-o", str(lib), str(HERE / "c10_allocations.c"), "-ldl"],
                    check=True)
+    return lib
+
+
+@pytest.fixture(scope="module")
+def counter(tmp_path_factory) -> Path:
+    lib = compile_counter(tmp_path_factory.mktemp("counter"))
+    if lib is None:
+        pytest.skip("the allocation counter is a preloaded C library: needs Linux and a C compiler")
     return lib
 
 

@@ -138,13 +138,20 @@ def test_keywords_that_change_nothing_and_smaller_sizes_share_the_plan(monkeypat
     Trainer's ``num_items_in_batch``) runs the one plan."""
     import solver.planning
 
+    # a measurement an earlier test left open (its CPU profiler still running) is closed
+    # now, not by this test's first watched step; this test closes its own last one
+    settle_open_judges()
     made = []
     plan = solver.planning._plan_step
-    monkeypatch.setattr(solver.planning, "_plan_step", lambda *a, **k: made.append(1) or plan(*a, **k))
+    monkeypatch.setattr(solver.planning, "_plan_step", lambda *a, **k: made.append(a[0]) or plan(*a, **k))
     torch.manual_seed(0)
     model, x = _Scaled(), torch.randn(128, 64)
     fast = solver.optimize(model, 2.0, example_inputs=(x,), mode="module", measure_time=False)
     for n, kw in ((64, {"count": torch.tensor(3.0)}), (96, {"verbose": True}), (32, {})):
         got, want = _grads(fast, x[:n], **kw), _grads(model, x[:n], **kw)
         assert all(torch.allclose(g, w, atol=1e-6) for g, w in zip(got, want))
-    assert len(made) == 1
+    settle_open_judges()
+    # the plans made for this model, not whatever else the process plans meanwhile; where
+    # it fails, the watch's measured peaks and the notes say whether a step planned again
+    peaks = [p for step in fast.remat_steps.values() for p in step.step_peaks]
+    assert sum(m is model for m in made) == 1, (len(made), peaks, fast.report.notes)
