@@ -364,10 +364,12 @@ class _Measured:
 
 
 #: a floor's plan is measured where its simulated peak is within this share above the
-#: least peak measured so far: the floors' predictions are within about 1 % of the
-#: allocator, so one predicted higher would not measure the least, and planning runs
-#: no step (the plain model's, say) far above the figure it will name
-FLOOR_SLACK = 0.02
+#: least peak measured so far (or that plan's prediction, where the prediction was
+#: higher), so that planning runs no step (the plain model's, say) far above the figure
+#: it will name. Not less: on a two-layer HF GPT-2 of width 16 graph mode's predictions
+#: ran 17 % (the smallest plan) to 47 % (per-block) over the allocator, and the floors,
+#: predicted 6.5 % above the smallest plan, measured 15 % below it
+FLOOR_SLACK = 0.25
 
 
 def _measured_plans(model: nn.Module, exc: InfeasibleBudget | None, *, make: Callable[[int], Any],
@@ -385,9 +387,9 @@ def _measured_plans(model: nn.Module, exc: InfeasibleBudget | None, *, make: Cal
     if floors is not None:
         makers += [(peak, maker, True) for peak, maker in sorted(floors(), key=lambda pm: pm[0])]
     found: list[_Measured] = []
+    bound = None  # the least measured peak, or its plan's prediction where that is higher
     for predicted, maker, floor in makers:
-        least = min((m.peak for m in found), default=None)
-        if floor and least is not None and predicted > (1 + FLOOR_SLACK) * least:
+        if floor and bound is not None and predicted > (1 + FLOOR_SLACK) * bound:
             continue
         if floor and not any(m.floor for m in found):
             planning = session.planning_peak or 0  # (the smallest plan's runs, its gradient check, counted)
@@ -404,6 +406,8 @@ def _measured_plans(model: nn.Module, exc: InfeasibleBudget | None, *, make: Cal
             peak = measured[0] + untracked_bytes(report.graph)
             session.saw(peak + measured[1])
         found.append(_Measured(plan, report, int(peak), floor))
+        if bound is None or int(peak) < min(m.peak for m in found[:-1]):
+            bound = max(int(peak), int(predicted))
     if not any(m.floor for m in found):
         planning = session.planning_peak or 0
     return found, planning
