@@ -12,7 +12,10 @@ kind (alike modules share it) and a weight (parameters, or the compute its ops t
 2. a candidate whose members have submodules of their own (layers, not single ops)
    beats one of leaves; then the share of the model's weight it covers; then more
    members;
-3. further candidates that hold as much as a fifth of the winner's weight and overlap
+3. alike attributes of a module that is not a list (an encoder and a decoder) whose
+   members each hold a candidate of layers give way to those layers (T5's blocks, not
+   its two stacks);
+4. further candidates that hold as much as a fifth of the winner's weight and overlap
    none chosen join it (an encoder's and a decoder's layers).
 
 The same rule runs on a model (:func:`graphs.module_mode.layer_blocks`, kinds from
@@ -58,6 +61,11 @@ def _parent(path: str) -> str | None:
     if path == "":
         return None
     return path.rsplit(".", 1)[0] if "." in path else ""
+
+
+def _inside(a: str, b: str) -> bool:
+    """Whether path ``a`` lies strictly inside path ``b``."""
+    return b == "" and a != "" or a.startswith(b + ".")
 
 
 def _nested(a: str, b: str) -> bool:
@@ -117,7 +125,12 @@ def pick_layers(modules: Mapping[str, ModuleInfo]) -> list[str]:
                 continue
             composite = all(children[m] for m in members)
             weight = sum(modules[m].weight for m in members)
-            candidates.append(((composite, weight / total, len(members)), members))
+            candidates.append(((composite, weight / total, len(members)), members, modules[p].listlike))
+    # alike attributes (an encoder and a decoder) whose every member holds layers of its
+    # own give way to those layers
+    inner = [members for (composite, _, _), members, _ in candidates if composite]
+    candidates = [(key, members) for key, members, listed in candidates
+                  if listed or not all(any(_inside(x, m) for layers in inner for x in layers) for m in members)]
     if not candidates:
         return []
     candidates.sort(key=lambda c: c[0], reverse=True)

@@ -105,3 +105,11 @@ def test_the_dag_gives_the_blocks_the_model_does(build, args):
     owner = node_blocks(cg, blocks)
     assert set(owner.values()) == set(blocks)
     assert all(str(cg[v]["module"]).startswith(owner[v]) for v in owner)
+
+
+def test_t5_gives_the_blocks_of_both_stacks_not_the_stacks():
+    from transformers import T5Config, T5ForConditionalGeneration
+
+    model = T5ForConditionalGeneration(T5Config(vocab_size=64, d_model=32, d_kv=8, d_ff=64, num_layers=2,
+                                                num_heads=4, decoder_start_token_id=0, pad_token_id=0))
+    assert layer_blocks(model) == [f"{s}.block.{i}" for s in ("encoder", "decoder") for i in range(2)]
