@@ -23,7 +23,7 @@ from solver.errors import InfeasibleBudget, SolverError
 from solver.fixed import untracked_bytes
 from solver.report import Report
 
-__all__ = ["Session", "PlanningInputs", "Held", "Reproduction", "buffers_kept", "forwards_kept", "GradientPrint", "fit_measured", "measured_peak", "reproduces", "self_check", "step_undone"]
+__all__ = ["Session", "PlanningInputs", "Reproduction", "buffers_kept", "forwards_kept", "GradientPrint", "fit_measured", "measured_peak", "reproduces", "self_check", "step_undone"]
 
 
 @dataclass
@@ -183,31 +183,15 @@ def forwards_kept(model: nn.Module) -> Iterator[None]:
                 m.__dict__.pop("forward", None)
 
 
-class Held(list):
-    """What :func:`step_undone` holds while its step runs. The list: the gradients put
-    aside (the user's, which a step of the user's holds as well); ``copies``: planning's
-    own copies (the buffers' values, the random generators' states), which no step of
-    the user's holds: counted in planning's peak, not in the step's."""
-
-    def __init__(self, users: list[torch.Tensor], copies: list[torch.Tensor]) -> None:
-        super().__init__(users)
-        self.copies = list(copies)
-
-    def copies_bytes(self, device: torch.device) -> int:
-        """Bytes of the copies on ``device`` (the judged one)."""
-        return resident_bytes(self.copies, device=device)
-
-
 @contextlib.contextmanager
 def step_undone(model: nn.Module, *, inputs: PlanningInputs | None = None,
-                buffers: bool = True) -> Iterator[Held]:
+                buffers: bool = True) -> Iterator[list[torch.Tensor]]:
     """Run a training step whose effects are undone afterwards: gradients start as None and
     are put back as found, buffers (BatchNorm statistics) are restored, the RNG forked;
-    ``inputs`` (planning's copies of the example inputs) start as the user's. Yields what
-    it holds meanwhile (:class:`Held`: the gradients put aside, which count in a measured
-    step's peak beside the model's own; the buffers' copies and the generators' states,
-    which count in planning's peak only). ``buffers=False``: the caller keeps the
-    buffers (:func:`buffers_kept`)."""
+    ``inputs`` (planning's copies of the example inputs) start as the user's. Yields the
+    tensors it holds meanwhile (the gradients put aside, the buffers' copies), which
+    count in a measured peak beside the model's own. ``buffers=False``: the caller keeps
+    the buffers (:func:`buffers_kept`)."""
     params = list(model.parameters())
     saved = [p.grad for p in params]
     if inputs is not None:
@@ -216,7 +200,7 @@ def step_undone(model: nn.Module, *, inputs: PlanningInputs | None = None,
         for p in params:
             p.grad = None
         with buffers_kept(model) if buffers else contextlib.nullcontext([]) as copies, rng_forked() as states:
-            yield Held([g for g in saved if g is not None], copies + states)
+            yield [g for g in saved if g is not None] + copies + states
     finally:
         for p, g in zip(params, saved):
             p.grad = g
@@ -240,39 +224,21 @@ def measured_peak(model: nn.Module, run: Callable[[], Any], args: tuple, kwargs:
                   loss_fn: Callable[[Any], Any] | None = None, inputs: PlanningInputs | None = None) -> int | None:
     """Peak bytes of one training step ``run()`` (forward, ``loss_fn`` or the default
     loss, backward) of ``model``, by the allocator (:class:`graphs.memory.AllocatorPeak`,
-    parameters, buffers and inputs included, and the gradients :func:`step_undone` puts
-    aside; not its copies of the buffers and generator states, which the user's step
-    does not hold); None for meta or fake inputs, and on CPU inside another torch
-    profiler. Gradients, buffers and the RNG are left as found; ``inputs``: reset first.
-
-    Examples
-    --------
-    >>> net = nn.Linear(4, 4)
-    >>> x = torch.randn(2, 4)
-    >>> measured_peak(net, lambda: net(x), (x,), {}) >= 2 * (16 + 4) * 4 + 2 * 4 * 4
-    True
-    """
-    found = _step_peak(model, run, args, kwargs, loss_fn=loss_fn, inputs=inputs)
-    return None if found is None else found[0]
-
-
-def _step_peak(model: nn.Module, run: Callable[[], Any], args: tuple, kwargs: dict, *,
-               loss_fn: Callable[[Any], Any] | None, inputs: PlanningInputs | None) -> tuple[int, int] | None:
-    """:func:`measured_peak`'s figure and the bytes planning held beside the step
-    (:attr:`Held.copies`), which planning's own peak counts."""
+    parameters, buffers and inputs included, and what :func:`step_undone` holds); None
+    for meta or fake inputs, and on CPU inside another torch profiler. Gradients,
+    buffers and the RNG are left as found; ``inputs``: reset first."""
     if not_real(args, kwargs) or not judge_available(model, (args, kwargs)):
         return None  # nothing real to run, or no judge
     with step_undone(model, inputs=inputs) as held, AllocatorPeak(model, (args, kwargs), held) as judge:
         out = run()  # held during backward, as verify does
         (loss_fn or default_loss)(out).backward()
         del out
-    return int(judge.peak_bytes), held.copies_bytes(judge.device)
+    return int(judge.peak_bytes)
 
 
 def fit_measured(model: nn.Module, *, make: Callable[[int], Any], run: Callable[[Any], Callable[[], Any]],
                  args: tuple, kwargs: dict, budget: int, session: Session, tries: int = 3,
-                 loss_fn: Callable[[Any], Any] | None = None, held_back: int = 0, reserve: int = 0,
-                 floors: Callable[[], list[tuple[int, Callable[[], Any]]]] | None = None) -> Any:
+                 loss_fn: Callable[[Any], Any] | None = None, held_back: int = 0, reserve: int = 0) -> Any:
     """Plan, measure one step of the plan, and plan again with a margin while the
     measured peak is over ``budget``.
 
@@ -284,17 +250,8 @@ def fit_measured(model: nn.Module, *, make: Callable[[int], Any], run: Callable[
     real step measured beyond an earlier plan). ``reserve``: bytes more planned below the
     budget from the start, so that the step measured is within it (the prediction's own
     error) where a plan leaves room for it; a step is still judged against the whole
-    budget. ``floors()``: the schedules every step can run (the plain step, every layer
-    block checkpointed) as ``(simulated peak, maker of its plan)``, each maker setting
-    ``session.report`` as ``make`` does.
-
-    Where no plan for the budget measures within it, the plans for the smallest peak
-    found and of the floors are measured: the one that fits is used (the least
-    predicted overhead of those that do), else :class:`InfeasibleBudget` names the
-    least of their measured peaks (see :func:`_named`), which a call for that budget
-    then meets with the same plan.
+    budget.
     """
-    step = dict(make=make, run=run, args=args, kwargs=kwargs, loss_fn=loss_fn, floors=floors)
     try:
         out, margin = make(held_back + reserve), held_back + reserve
     except InfeasibleBudget as tight:
@@ -309,21 +266,18 @@ def fit_measured(model: nn.Module, *, make: Callable[[int], Any], run: Callable[
             try:
                 out, margin = make(held_back), held_back
             except InfeasibleBudget as exc:
-                found, planning = _measured_plans(model, exc, budget=budget, session=session, **step)
-                fits = _fitting(found, budget, session)
-                if fits is not None:
-                    return fits
-                raise _named(found, exc, budget=budget, planning=planning) from exc
+                raise _measured_smallest(model, exc, make=make, run=run, args=args, kwargs=kwargs, budget=budget,
+                                         session=session, loss_fn=loss_fn) from exc
     for attempt in range(tries):
         report = session.report
         extra = untracked_bytes(report.graph)
         peak = report.checked_peak_bytes
         if peak is None:
-            measured = _step_peak(model, run(out), args, kwargs, loss_fn=loss_fn, inputs=session.inputs)
+            measured = measured_peak(model, run(out), args, kwargs, loss_fn=loss_fn, inputs=session.inputs)
             if measured is None:
                 return out
-            peak = report.checked_peak_bytes = measured[0] + extra
-            session.saw(peak + measured[1])
+            peak = report.checked_peak_bytes = measured + extra
+            session.saw(peak)
         if peak <= budget:
             if margin > reserve:
                 report.notes.append(f"planned for {format_bytes(budget - margin)}: a step of the plan for the whole "
@@ -335,118 +289,64 @@ def fit_measured(model: nn.Module, *, make: Callable[[int], Any], run: Callable[
         try:
             out = make(margin)
         except InfeasibleBudget as exc:
-            found, planning = _measured_plans(model, exc, budget=budget, session=session, **step)
-            fits = _fitting(found, budget, session)
-            if fits is not None:
-                return fits
-            if found:
-                raise _named(found, exc, budget=budget, planning=planning) from exc
+            smallest = _smallest_that_fits(model, exc, make=make, run=run, args=args, kwargs=kwargs, budget=budget,
+                                           session=session, loss_fn=loss_fn)
+            if smallest is not None:
+                return smallest
             raise InfeasibleBudget(budget, exc.smallest_feasible_bytes + margin,
                                    lower_bound_bytes=exc.lower_bound_bytes + margin, what="measured peak",
                                    **_why(exc)) from exc
-    fits = _fitting(_measured_plans(model, None, budget=budget, session=session, **step)[0], budget, session)
-    if fits is not None:
-        return fits
     raise SolverError(f"a step of the plan measured {format_bytes(peak)} over the budget {format_bytes(budget)} "
                       f"after {tries} plans with a margin for what the step allocates beyond the captured graph; "
                       "ask for a larger budget")
 
 
-@dataclass
-class _Measured:
-    """A plan made for a figure, with its report and the allocator's peak of one step
-    of it (untracked bytes included); ``floor``: one of the floors' plans."""
-
-    plan: Any
-    report: Report
-    peak: int
-    floor: bool
-
-
-#: a floor's plan is measured where its simulated peak is within this share above the
-#: least peak measured so far (or that plan's prediction, where the prediction was
-#: higher), so that planning runs no step (the plain model's, say) far above the figure
-#: it will name. Not less: on a two-layer HF GPT-2 of width 16 graph mode's predictions
-#: ran 17 % (the smallest plan) to 47 % (per-block) over the allocator, and the floors,
-#: predicted 6.5 % above the smallest plan, measured 15 % below it
-FLOOR_SLACK = 0.25
-
-
-def _measured_plans(model: nn.Module, exc: InfeasibleBudget | None, *, make: Callable[[int], Any],
-                    run: Callable[[Any], Callable[[], Any]], args: tuple, kwargs: dict, budget: int,
-                    session: Session, loss_fn: Callable[[Any], Any] | None,
-                    floors: Callable[[], list[tuple[int, Callable[[], Any]]]] | None) -> tuple[list[_Measured], int]:
-    """The plan for the smallest peak ``exc`` names (none without ``exc``), then the
-    floors' plans from the lowest predicted (those predicted more than
-    :data:`FLOOR_SLACK` above the least measured so far left out), each with the
-    allocator's peak of one step of it; those that cannot be made or measured are left
-    out. Also returns planning's peak before the floors were measured."""
-    makers = [] if exc is None else [(exc.smallest_feasible_bytes,
-                                      functools.partial(make, budget - exc.smallest_feasible_bytes), False)]
-    planning = session.planning_peak or 0
-    if floors is not None:
-        makers += [(peak, maker, True) for peak, maker in sorted(floors(), key=lambda pm: pm[0])]
-    found: list[_Measured] = []
-    bound = None  # the least measured peak, or its plan's prediction where that is higher
-    for predicted, maker, floor in makers:
-        if floor and bound is not None and predicted > (1 + FLOOR_SLACK) * bound:
-            continue
-        if floor and not any(m.floor for m in found):
-            planning = session.planning_peak or 0  # (the smallest plan's runs, its gradient check, counted)
-        try:
-            plan = maker()
-        except RematError:
-            continue
-        report = session.report
-        peak = report.checked_peak_bytes  # a graph-mode plan's gradient check measured its step
-        if peak is None:
-            measured = _step_peak(model, run(plan), args, kwargs, loss_fn=loss_fn, inputs=session.inputs)
-            if measured is None:
-                return [], planning
-            peak = measured[0] + untracked_bytes(report.graph)
-            session.saw(peak + measured[1])
-        found.append(_Measured(plan, report, int(peak), floor))
-        if bound is None or int(peak) < min(m.peak for m in found[:-1]):
-            bound = max(int(peak), int(predicted))
-    if not any(m.floor for m in found):
-        planning = session.planning_peak or 0
-    return found, planning
-
-
-def _fitting(found: list[_Measured], budget: int, session: Session) -> Any:
-    """Of the plans ``found``, the one whose step measured within ``budget`` with the
-    least predicted overhead (then the lowest peak), made the session's report; None
-    where none fits."""
-    fits = [m for m in found if m.peak <= budget]
-    if not fits:
+def _smallest_plan(model: nn.Module, exc: InfeasibleBudget, *, make: Callable[[int], Any],
+                   run: Callable[[Any], Callable[[], Any]], args: tuple, kwargs: dict, budget: int,
+                   session: Session, loss_fn: Callable[[Any], Any] | None) -> tuple[Any, int] | None:
+    """The plan for the smallest peak ``exc`` names and the allocator's peak of one step
+    of it (untracked bytes included), or None where it cannot be made or measured."""
+    try:
+        plan = make(budget - exc.smallest_feasible_bytes)  # the margin that plans for the smallest peak
+    except RematError:
         return None
-    best = min(fits, key=lambda m: (m.report.predicted_overhead, m.peak))
-    session.report = report = best.report
-    report.checked_peak_bytes = best.peak
-    what = ("the peak of the plain step or of per-block checkpointing" if best.floor else "the smallest peak found")
-    report.notes.append(f"planned for {what}, {format_bytes(report.predicted_peak_bytes)}: no plan for the whole "
-                        f"budget measured within it, and this one measured {format_bytes(best.peak)}")
-    return best.plan
+    measured = measured_peak(model, run(plan), args, kwargs, loss_fn=loss_fn, inputs=session.inputs)
+    if measured is None:
+        return None
+    peak = measured + untracked_bytes(session.report.graph)
+    session.saw(peak)
+    return plan, peak
 
 
-def _named(found: list[_Measured], exc: InfeasibleBudget, *, budget: int, planning: int) -> InfeasibleBudget:
-    """The error to raise for a budget that no plan ``found`` measured within: the least
-    measured peak of those plans, and at least ``planning``, the peak of planning's own
-    runs before the floors were measured (the run that measures op workspaces runs the
-    lowest-peak schedule, and runs it again when the figure named is asked for), but
-    never above a floor's measured peak (the plain step's, per-block checkpointing's):
-    asking for the figure named must succeed, with the plan that measured it. ``exc``
-    as it is where nothing was measured."""
-    if not found:
+def _smallest_that_fits(model: nn.Module, exc: InfeasibleBudget, *, budget: int, session: Session,
+                        **step: Any) -> Any:
+    """The plan for the smallest peak found, where no plan with a margin is feasible and
+    a step of it measures within ``budget``; else None. A budget an error once named
+    (what :func:`_measured_smallest` measured) is then met by that plan again, even when
+    the plan for the whole budget measured over it. ``step``: ``make``, ``run``,
+    ``args``, ``kwargs``, ``loss_fn`` as :func:`fit_measured` takes them."""
+    smallest = exc.smallest_feasible_bytes
+    found = _smallest_plan(model, exc, budget=budget, session=session, **step) if smallest <= budget else None
+    if found is None or found[1] > budget:
+        return None
+    plan, session.report.checked_peak_bytes = found
+    session.report.notes.append(f"planned for the smallest peak found, {format_bytes(smallest)}: a step of the plan "
+                                "for the whole budget measured over it, and no plan left room for the difference")
+    return plan
+
+
+def _measured_smallest(model: nn.Module, exc: InfeasibleBudget, *, budget: int, session: Session,
+                       **step: Any) -> InfeasibleBudget:
+    """The error to raise for a budget below the smallest plan: the smallest plan's
+    measured peak when a step of it measures more than its prediction, and at least the
+    peak of planning's own runs so far (the run that measures op workspaces runs the
+    lowest-peak schedule, and runs it again when the figure named is asked for): asking
+    for the figure named must succeed."""
+    found = _smallest_plan(model, exc, budget=budget, session=session, **step)
+    named = max(found[1] if found is not None else 0, session.planning_peak or 0)
+    if named <= exc.smallest_feasible_bytes:
         return exc
-    named = max(min(m.peak for m in found), planning)
-    floor = min((m.peak for m in found if m.floor), default=None)
-    if floor is not None:
-        named = min(named, floor)
-    if named == exc.smallest_feasible_bytes:
-        return exc
-    return InfeasibleBudget(budget, named, lower_bound_bytes=min(exc.lower_bound_bytes, named), what="measured peak",
-                            **_why(exc))
+    return InfeasibleBudget(budget, named, lower_bound_bytes=exc.lower_bound_bytes, what="measured peak", **_why(exc))
 
 
 def _why(exc: InfeasibleBudget) -> dict:
@@ -471,17 +371,12 @@ class Reproduction:
     forward_peak_bytes : int or None
         The peak of the model's forward without autograd that checks the loss (with
         ``reference`` only).
-    beside_bytes : int
-        Bytes planning held beside the step while it ran (copies of the buffers, the
-        generators' states): not in ``peak_bytes``, which is the step's own, but in
-        planning's peak.
     """
 
     same: bool
     peak_bytes: int | None = None
     reference_peak_bytes: int | None = None
     forward_peak_bytes: int | None = None
-    beside_bytes: int = 0
 
 
 def reproduces(model: nn.Module, step: Callable, args: tuple, kwargs: dict, *,
@@ -514,25 +409,20 @@ def reproduces(model: nn.Module, step: Callable, args: tuple, kwargs: dict, *,
             differ.append(i)
         p.grad = None  # compared: the reference holds no gradient
 
-    def run(fn: Callable, held: list, *, own: bool) -> tuple[torch.Tensor, int | None, int]:
-        """Loss, peak and the bytes of planning's copies beside it: with ``own``, the
-        step's own peak (planning's copies beside it not counted), else all that is held."""
+    def run(fn: Callable, held: list) -> tuple[torch.Tensor, int | None]:
         with buffers_kept(model) as copies:
             if inputs is not None:
                 inputs.reset()
             torch.manual_seed(1234)
-            roots = (held,) if own else (held, copies)
-            with AllocatorPeak(model, (args, kwargs), *roots) if judged else contextlib.nullcontext() as judge:
+            with AllocatorPeak(model, (args, kwargs), held, copies) if judged else contextlib.nullcontext() as judge:
                 out = fn(model, args, kwargs)  # held during backward, as verify does
                 loss = loss_fn(out)
                 loss.backward()
                 del out
-            mine = copies + getattr(held, "copies", [])
-            beside = resident_bytes(mine, device=judge.device) if own and judge is not None else 0
-        return loss.detach(), None if judge is None else int(judge.peak_bytes), beside
+        return loss.detach(), None if judge is None else int(judge.peak_bytes)
 
     with step_undone(model, inputs=inputs, buffers=False) as held:
-        la, peak, beside = run(step, held, own=True)
+        la, peak = run(step, held)
         for i, p in enumerate(params):
             if p.grad is not None:
                 prints[i] = GradientPrint(p.grad, seed=i)
@@ -541,8 +431,7 @@ def reproduces(model: nn.Module, step: Callable, args: tuple, kwargs: dict, *,
         try:
             kept = [t for found in prints.values() for t in (found.whole, found.sums) if t is not None]
             with forwards_kept(model):  # the reference's block wrappers are not left on the model
-                lb, reference_peak, _ = run(reference or reference_step(model), held + held.copies + kept + [la],
-                                            own=False)
+                lb, reference_peak = run(reference or reference_step(model), held + kept + [la])
             del kept
         finally:
             for h in hooks:
@@ -553,11 +442,11 @@ def reproduces(model: nn.Module, step: Callable, args: tuple, kwargs: dict, *,
     if same and reference is not None:
         with step_undone(model, inputs=inputs) as held, torch.no_grad():
             torch.manual_seed(1234)
-            with AllocatorPeak(model, (args, kwargs), held, held.copies, la) if judged else contextlib.nullcontext() as judge:
+            with AllocatorPeak(model, (args, kwargs), held, la) if judged else contextlib.nullcontext() as judge:
                 loss = loss_fn(type(model).forward(model, *args, **kwargs)).detach()
             forward_peak = None if judge is None else int(judge.peak_bytes)
             same = _close(la, loss, compiled)
-    return Reproduction(same, peak, reference_peak, forward_peak, beside)
+    return Reproduction(same, peak, reference_peak, forward_peak)
 
 
 class GradientPrint:
@@ -757,7 +646,6 @@ def self_check(model: nn.Module, step: Callable, *, args: tuple, kwargs: dict, s
     extra = untracked_bytes(session.report.graph)
     if found.peak_bytes is not None:
         session.report.checked_peak_bytes = found.peak_bytes + extra
-        session.saw(found.peak_bytes + extra + found.beside_bytes)
-    for peak in (found.reference_peak_bytes, found.forward_peak_bytes):
+    for peak in (found.peak_bytes, found.reference_peak_bytes, found.forward_peak_bytes):
         session.saw(None if peak is None else peak + extra)
     return found.same

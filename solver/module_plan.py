@@ -28,7 +28,7 @@ from solver.plans import recompute_missing, sequence_from_keep
 from solver.schedule import Schedule
 from solver.simulate import SimulationResult, simulate
 
-__all__ = ["ModulePlan", "BlockIndex", "checkpoint_view", "hold_node_inputs", "plan_modules", "floor_plans", "greedy_block_plan", "plan_schedule", "block_nodes", "keep_for_plan", "checkpoint_sequence",
+__all__ = ["ModulePlan", "BlockIndex", "checkpoint_view", "hold_node_inputs", "plan_modules", "greedy_block_plan", "plan_schedule", "block_nodes", "keep_for_plan", "checkpoint_sequence",
            "MATMUL_OPS", "ACTIONS"]
 
 log = logging.getLogger(__name__)
@@ -884,34 +884,6 @@ def plan_modules(
     if measured:
         sched.info = dict(sched.info, priced_cost=priced, measured=dict(measured))
     return ModulePlan(actions=plan, schedule=sched, evaluations=evaluations, blocks=list(blocks), graph=graph)
-
-
-def floor_plans(graph: ComputeGraph, blocks: Sequence[str]) -> list[tuple[dict, int]]:
-    """The layer plans every step can run, with their simulated peaks, highest first: no
-    block checkpointed (the plain step) and every block checkpointed whole (what
-    ``torch.utils.checkpoint`` on each gives), priced on :func:`checkpoint_view` as
-    :func:`plan_modules` prices them. Both actions' memory is predicted exactly
-    (a selective policy's depends on how torch dispatches the block's ops), so a
-    search for one of these peaks among those two actions finds a plan within it.
-
-    Examples
-    --------
-    >>> from solver.synthetic import training_chain
-    >>> g = training_chain(4, fwd_bytes=8)
-    >>> for i in range(4): g[f"f{i}"]["module"] = g[f"b{i}"]["module"] = f"layers.{i // 2}"
-    >>> [(sorted(set(p.values())), peak > 0) for p, peak in floor_plans(g, ["layers.0", "layers.1"])]
-    [(['none'], True), (['full'], True)]
-    """
-    view = checkpoint_view(graph, blocks)
-    index = BlockIndex(view, blocks)
-    out = []
-    for action in (LayerAction.NONE.value, LayerAction.FULL.value):
-        plan = {b: action for b in blocks}
-        res = index.price(plan)
-        if res is None:
-            res = plan_schedule(view, plan, index=index)[1]
-        out.append((plan, int(res.peak_bytes)))
-    return sorted(out, key=lambda pp: -pp[1])
 
 
 def _measured_pricing(price, blocks: Sequence[str], measured: Mapping[str, float]):

@@ -169,8 +169,7 @@ def _plan_step(model: nn.Module, args: tuple, kwargs: dict, *, request: Request,
         reserve = int((MODULE_RESERVE if request.mode == "module" else graph) * cap.budget)
         step = fit_measured(model, make=make, run=lambda s: lambda: s(model, args, kwargs), args=args,
                             kwargs=kwargs, budget=cap.budget, session=session, loss_fn=request.loss_fn,
-                            held_back=held_back, reserve=reserve,
-                            floors=lambda: floor_makers(model, cap=cap, request=request, session=session, make=make))
+                            held_back=held_back, reserve=reserve)
     report = session.report
     report.check_seconds = max(0.0, time.perf_counter() - t0 - report.capture_seconds - report.measure_seconds
                                - report.solve_seconds)
@@ -184,28 +183,6 @@ def _plan_step(model: nn.Module, args: tuple, kwargs: dict, *, request: Request,
     session.publish()
     log.info("%s", session.report)
     return step
-
-
-def floor_makers(model: nn.Module, *, cap: Captured, request: Request, session: Session,
-                 make: Callable[[int], Any]) -> list[tuple[int, Callable[[], Any]]]:
-    """The schedules every step can run, the plain step and every layer block
-    checkpointed (:func:`solver.checks.fit_measured`'s floors), as their simulated
-    peaks with makers of their plans: graph mode
-    plans for their simulated peaks (:func:`solver.methods.blocks.floor_peaks`), module
-    mode for the peaks of its uniform plans among the actions predicted exactly
-    (:func:`solver.module_plan.floor_plans`)."""
-    import functools
-
-    if request.mode == "graph":
-        from solver.methods.blocks import floor_peaks
-
-        return [(peak, functools.partial(make, cap.budget - peak)) for peak in floor_peaks(cap.graph)]
-    from solver.module_plan import floor_plans
-
-    names = request.blocks or layer_blocks(model)
-    return [(peak, functools.partial(plan_module, model, cap=cap, request=request, session=session,
-                                     margin=cap.budget - peak, actions=EXACT_ACTIONS))
-            for _, peak in floor_plans(cap.graph, names)]
 
 
 def capture_step(model: nn.Module, args: tuple, kwargs: dict, *, request: Request) -> Captured:

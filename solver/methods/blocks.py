@@ -55,7 +55,7 @@ from solver.registry import register
 from solver.schedule import Schedule
 from solver.simulate import simulate
 
-__all__ = ["Block", "BlockChain", "BlockOption", "block_chain", "block_options", "block_dp", "per_block_schedule", "per_block", "floor_peaks",
+__all__ = ["Block", "BlockChain", "BlockOption", "block_chain", "block_options", "block_dp", "per_block_schedule", "per_block",
            "ENUMERATE_MAX", "LEVELS", "SLOTS"]
 
 log = logging.getLogger(__name__)
@@ -858,28 +858,3 @@ def per_block(graph: ComputeGraph, budget_bytes: int, *, time_limit: float | Non
         raise NoScheduleFound(f"per_block: checkpointing every block peaks at {sched.peak_bytes} B, over "
                               f"{budget_bytes} B", best_peak=sched.peak_bytes)
     return sched
-
-
-def floor_peaks(graph: ComputeGraph) -> list[int]:
-    """Simulated peaks of the schedules every step can run, highest first: the plain
-    step (the reference order, store-all) and, on a training graph of layer blocks,
-    checkpointing every block (:func:`per_block_schedule`). A planner asked for one of
-    these figures finds a schedule within it; the smallest peak named for an infeasible
-    budget is never above what their steps measure
-    (:func:`solver.checks.fit_measured`).
-
-    Examples
-    --------
-    >>> from solver.synthetic import training_chain
-    >>> g = training_chain(4, fwd_bytes=8)
-    >>> floor_peaks(g) == [simulate(g, g.order).peak_bytes]
-    True
-    >>> for i in range(4): g[f"f{i}"]["module"] = g[f"b{i}"]["module"] = f"layers.{i // 2}"
-    >>> len(floor_peaks(g))
-    2
-    """
-    peaks = {int(simulate(graph, list(graph.order)).peak_bytes)}
-    blocks = per_block_schedule(graph)
-    if blocks is not None:
-        peaks.add(int(blocks.peak_bytes))
-    return sorted(peaks, reverse=True)
