@@ -66,17 +66,25 @@ class RewriteError(RematError):
     """A schedule that cannot be turned into runnable graphs."""
 
 
-def _rng_state(device: torch.device) -> torch.Tensor:
-    """A copy of the generator state of ``device``."""
+def rng_state(device: torch.device) -> torch.Tensor:
+    """A copy of the generator state of ``device``.
+
+    Examples
+    --------
+    >>> s = rng_state(torch.device("cpu")); a = torch.rand(2)
+    >>> _ = rng_swap(s, torch.device("cpu")); torch.equal(torch.rand(2), a)
+    True
+    """
     if device.type == "cuda":
         return torch.cuda.get_rng_state(device)
     return torch.get_rng_state()
 
 
 @fx.node.has_side_effect
-def _rng_swap(state: torch.Tensor, device: torch.device) -> torch.Tensor:
-    """Set the generator of ``device`` to ``state``; return the state it had."""
-    prev = _rng_state(device)
+def rng_swap(state: torch.Tensor, device: torch.device) -> torch.Tensor:
+    """Set the generator of ``device`` to ``state``; return the state it had
+    (:func:`rng_state` shows both)."""
+    prev = rng_state(device)
     if device.type == "cuda":
         torch.cuda.set_rng_state(state, device)
     else:
@@ -86,9 +94,9 @@ def _rng_swap(state: torch.Tensor, device: torch.device) -> torch.Tensor:
 
 @fx.node.has_side_effect
 def _rng_restore(prev: torch.Tensor, device: torch.device, after: object = None) -> None:
-    """Put back the generator state that :func:`_rng_swap` returned (``after``: the op's
+    """Put back the generator state that :func:`rng_swap` returned (``after``: the op's
     result, so that the restore follows the draw)."""
-    _rng_swap(prev, device)
+    rng_swap(prev, device)
 
 
 @fx.node.has_side_effect
@@ -107,7 +115,7 @@ def rng_state_bytes(device: torch.device | str = "cpu") -> int:
     True
     """
     device = torch.device(device)
-    return int(_rng_state(device).numel())
+    return int(rng_state(device).numel())
 
 
 _RNG_KEY = "rng:"  # env key of the generator state kept for a random op
@@ -424,7 +432,7 @@ def schedule_graphs(
 
     def resolve_forward(u: fx.Node) -> fx.Node:
         _not_away(u, away, fenv)
-        if u.op == "call_function" and (u.name not in scheduled or _is_view(u)):
+        if u.op == "call_function" and (u.name not in scheduled or is_view(u)):
             return _emit(fg, u, fenv, scheduled, resolve_forward)
         raise RewriteError(f"forward reads {u.name!r} before the schedule computes it")
 
@@ -447,14 +455,14 @@ def schedule_graphs(
             s = op.name
             key, dev = _RNG_KEY + s, _draw_device(op)
             if not runs_so_far.get(s):
-                env[key] = g.call_function(_rng_state, (dev,))
-                env[key].meta["val"] = fake_value(_rng_state(dev), like=placeholders)
+                env[key] = g.call_function(rng_state, (dev,))
+                env[key].meta["val"] = fake_value(rng_state(dev), like=placeholders)
                 new = _emit(g, node, env, scheduled, resolve)
                 # the first run draws even where a later run's copy is the one read:
                 # without it, every later draw of the step would come from another state
                 g.call_function(_drawn, (new,))
             else:
-                prev = g.call_function(_rng_swap, (env[key] if key in env else saved_state(key), dev))
+                prev = g.call_function(rng_swap, (env[key] if key in env else saved_state(key), dev))
                 new = _emit(g, node, env, scheduled, resolve)
                 g.call_function(_rng_restore, (prev, dev, new))
             runs_so_far[s] = runs_so_far.get(s, 0) + 1
@@ -510,11 +518,11 @@ def schedule_graphs(
         if u.op == "call_function" and u.name not in scheduled:
             if _is_multi_output(u) or all(w.name in benv for w in u.all_input_nodes) or u.name not in fenv:
                 return _emit(bg, u, benv, scheduled, resolve_backward)
-        if _is_view(u) and _derivable(u, benv):
+        if is_view(u) and _derivable(u, benv):
             return _emit(bg, u, benv, scheduled, resolve_backward)
         if u.name in fenv:
             return from_forward(u)
-        if _is_view(u) and _derivable(u, fenv.keys() | benv.keys()):
+        if is_view(u) and _derivable(u, fenv.keys() | benv.keys()):
             # the forward dropped its copy when its base ran again there: the view is
             # derived here from the base's latest copy (the same storage's bytes)
             return _emit(bg, u, benv, scheduled, resolve_backward)
@@ -649,8 +657,8 @@ def _forget_derived(node: fx.Node, env: dict[str, fx.Node], scheduled: set[str])
     stack = list(node.users)
     while stack:
         user = stack.pop()
-        if (_is_projection(user) and user.name not in scheduled) or _is_view(user):
-            if env.pop(user.name, None) is not None and _is_view(user):
+        if (_is_projection(user) and user.name not in scheduled) or is_view(user):
+            if env.pop(user.name, None) is not None and is_view(user):
                 stack.extend(user.users)
 
 
@@ -658,7 +666,7 @@ def _not_away(u: fx.Node, away: set[str], env: dict[str, fx.Node]) -> None:
     """Refuse to read ``u`` (or a view of it) while it is on the host (and not computed
     again here)."""
     base = u
-    while _is_view(base) and base.all_input_nodes:
+    while is_view(base) and base.all_input_nodes:
         base = base.all_input_nodes[0]
     if base.name in away and base.name not in env:
         raise RewriteError(f"an op reads {u.name!r} while {base.name!r} is on the host (between its offload "
@@ -747,18 +755,26 @@ def _host_value(val: object, like: Sequence[fx.Node]) -> object:
 def _derivable(node: fx.Node, env: dict[str, fx.Node]) -> bool:
     """Can a view be re-derived here from values this graph already has (through a chain
     of views)? Then it should be, rather than pinning an older copy of its base."""
-    return all(w.name in env or (_is_view(w) and _derivable(w, env)) for w in node.all_input_nodes)
+    return all(w.name in env or (is_view(w) and _derivable(w, env)) for w in node.all_input_nodes)
 
 
 # ops whose output shares its input's storage although their schema does not say so
 _UNDECLARED_VIEWS = ("_unsafe_view", "_reshape_alias", "alias")
 
 
-def _is_view(node: fx.Node) -> bool:
-    """An op whose output aliases an input (a view, ``detach``...): free to run again."""
+def is_view(node: fx.Node) -> bool:
+    """An op whose output aliases an input (a view, ``detach``...): free to run again.
+
+    Examples
+    --------
+    >>> g = fx.Graph(); x = g.placeholder("x")
+    >>> aten = torch.ops.aten
+    >>> is_view(g.call_function(aten.t.default, (x,))), is_view(g.call_function(aten.relu.default, (x,)))
+    (True, False)
+    """
     target = node.target
     if node.op == "call_function" and target is operator.getitem and isinstance(node.args[0], fx.Node):
-        return _is_view(node.args[0])  # a piece of split / unbind / chunk
+        return is_view(node.args[0])  # a piece of split / unbind / chunk
     if node.op != "call_function" or not is_op_overload(target):
         return False
     if target.overloadpacket.__name__ in _UNDECLARED_VIEWS:
