@@ -649,6 +649,7 @@ def _step_inputs(model: torch.nn.Module, args: tuple, kwargs: dict, *, measure_t
 class _Forward:
     """The forward traced at ATen level (:func:`_trace_forward`)."""
 
+    export: Any  # the ExportedProgram, alive as long as the capture runs
     module: torch.fx.GraphModule  # the export's module
     work_model: torch.nn.Module  # the model traced (a fake copy for fake inputs)
     fake_mode: Any
@@ -700,7 +701,7 @@ def _trace_forward(model: torch.nn.Module, inputs: _StepInputs, *, inplace: str)
         input_indices = [i for i, t in enumerate(flat_in)
                          if isinstance(t, (torch.Tensor, int, float, bool))][: len(fwd_inputs)]
     user_flat = [flat_in[i] for i in input_indices]
-    return _Forward(module=fwd, work_model=work_model, fake_mode=fake_mode, amp=amp, flat_in=flat_in,
+    return _Forward(export=ep, module=fwd, work_model=work_model, fake_mode=fake_mode, amp=amp, flat_in=flat_in,
                     in_spec=in_spec, out_spec=ep.call_spec.out_spec, functions=functions,
                     input_indices=input_indices, user_flat=user_flat)
 
