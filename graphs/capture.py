@@ -560,6 +560,40 @@ def capture(
     >>> cg.saved_bytes() > 0 and cg.total("flops") > 0
     True
     """
+    args, kwargs = _call_arguments(model, example_inputs, example_kwargs)
+    loss_fn = loss_fn or default_loss
+    inputs = _step_inputs(model, args, kwargs, measure_time=measure_time, measure_workspace=measure_workspace)
+    fwd = _trace_forward(model, inputs, inplace=inplace)
+    if backward not in ("loss", "outputs"):
+        raise ValueError(f"backward must be 'loss' or 'outputs', got {backward!r}")
+    step = _LossStep(fwd.module, fwd.out_spec, loss_fn if backward == "loss" else None, replace=_eager_semantics(
+        [t for t in fwd.flat_in if isinstance(t, torch.Tensor)] + list(fwd.work_model.parameters())))
+    joint, gm = _trace_joint(step, fwd)
+    hw, storage, placeholders = _annotate_costs(gm, step, inputs, fwd, hardware=hardware, repeats=repeats)
+
+    cg = _build(gm, storage, name=name or type(model).__name__, shared=_shared_sources(placeholders, step))
+    cg.meta.update({
+        "captured_with": "torch.export(strict=False) + aot_export_joint_with_descriptors",
+        "time_source": "measured" if inputs.measure_time else f"roofline:{hw.name}",
+        "torch": torch.__version__,
+        "autocast": [f"{device}:{dtype}".replace("torch.", "") for device, dtype in fwd.amp],
+    })
+    names = tuple(f.__qualname__ for f in fwd.functions)
+    if names:
+        cg.meta["custom_functions"] = list(names)
+        log.info("the forward calls custom autograd Functions %s: the captured backward differentiates their "
+                 "forward's ops", ", ".join(names))
+    cg.fx = gm
+    cg.capture_info = CaptureInfo(step=step, flat_inputs=fwd.user_flat, fake_mode=fwd.fake_mode, joint=joint,
+                                  real=inputs.real, input_indices=fwd.input_indices, in_spec=fwd.in_spec,
+                                  out_spec=fwd.out_spec, backward=backward, autocast=fwd.amp,
+                                  custom_functions=names, state=plain_state(model))
+    return cg
+
+
+def _call_arguments(model: torch.nn.Module, example_inputs: Any, example_kwargs: dict | None) -> tuple[tuple, dict]:
+    """:func:`capture`'s first phase: the model's call as ``(args, kwargs)``, the
+    keywords of ``example_kwargs`` after those of ``example_inputs``."""
     if not isinstance(model, torch.nn.Module):
         raise TypeError(f"model must be a torch.nn.Module, got {type(model).__name__}")
     if isinstance(example_inputs, dict):
@@ -574,8 +608,27 @@ def capture(
             raise CaptureError(f"the keyword argument {overlap[0]!r} is given twice (in example_inputs "
                                "and in example_kwargs)")
         kwargs.update(example_kwargs)
-    loss_fn = loss_fn or default_loss
+    return args, kwargs
 
+
+@dataclass
+class _StepInputs:
+    """What :func:`capture` runs on: the call, its tensors and the model's, whether all
+    are real, and what is measured on them."""
+
+    args: tuple
+    kwargs: dict
+    tensors: list
+    state: list
+    real: bool
+    measure_time: bool
+    measure_workspace: bool
+
+
+def _step_inputs(model: torch.nn.Module, args: tuple, kwargs: dict, *, measure_time: bool | None,
+                 measure_workspace: bool | None) -> _StepInputs:
+    """:func:`capture`'s second phase: are the tensors real, and what is measured (by
+    default what real tensors allow; a measurement asked of fake tensors is refused)."""
     tensors = [t for t in tree_leaves((args, kwargs)) if isinstance(t, torch.Tensor)]
     state = [t for t in list(model.parameters()) + list(model.buffers())]
     real = not any(_is_fake_or_meta(t) for t in tensors + state)
@@ -589,18 +642,39 @@ def capture(
     if measure_workspace and not real:
         raise CaptureError("measure_workspace=True needs real parameters and inputs; the model or inputs are "
                            "fake/meta (use measure_workspace=False for estimated workspaces)")
+    return _StepInputs(args, kwargs, tensors, state, real, measure_time, measure_workspace)
 
+
+@dataclass
+class _Forward:
+    """The forward traced at ATen level (:func:`_trace_forward`)."""
+
+    export: Any  # the ExportedProgram, alive as long as the capture runs
+    module: torch.fx.GraphModule  # the export's module
+    work_model: torch.nn.Module  # the model traced (a fake copy for fake inputs)
+    fake_mode: Any
+    amp: tuple  # the autocast state of the trace
+    flat_in: list  # the flattened (args, kwargs)
+    in_spec: Any
+    out_spec: Any
+    functions: list  # the custom autograd Functions that the forward calls
+    input_indices: list  # which of ``flat_in`` the export takes
+    user_flat: list  # those inputs
+
+
+def _trace_forward(model: torch.nn.Module, inputs: _StepInputs, *, inplace: str) -> _Forward:
+    """:func:`capture`'s third phase: the forward at ATen level, with source lines (and
+    the custom autograd Functions that the trace inlines: it keeps their forward's ops,
+    whose derivative the joint takes), in fake tensors when the inputs are not real."""
     fake_mode = None
     work_model = model
     amp = autocast_state()
-    flat_in, in_spec = tree_flatten((args, kwargs))
-    if not real:
+    flat_in, in_spec = tree_flatten((inputs.args, inputs.kwargs))
+    if not inputs.real:
         fake_mode = FakeTensorMode(allow_non_fake_inputs=True)
         work_model, flat_in = _to_fake(model, flat_in, fake_mode)
     eargs, ekwargs = tree_unflatten(flat_in, in_spec)
 
-    # 1. forward at ATen level, with source lines (and the custom autograd Functions that
-    # the trace inlines: it keeps their forward's ops, whose derivative the joint takes)
     functions: list = []
     try:
         # (the graph modules made on the way generate their code only if run or read)
@@ -627,61 +701,51 @@ def capture(
         input_indices = [i for i, t in enumerate(flat_in)
                          if isinstance(t, (torch.Tensor, int, float, bool))][: len(fwd_inputs)]
     user_flat = [flat_in[i] for i in input_indices]
-    out_spec = ep.call_spec.out_spec
-    if backward not in ("loss", "outputs"):
-        raise ValueError(f"backward must be 'loss' or 'outputs', got {backward!r}")
-    step = _LossStep(fwd, out_spec, loss_fn if backward == "loss" else None, replace=_eager_semantics(
-        [t for t in flat_in if isinstance(t, torch.Tensor)] + list(work_model.parameters())))
+    return _Forward(export=ep, module=fwd, work_model=work_model, fake_mode=fake_mode, amp=amp, flat_in=flat_in,
+                    in_spec=in_spec, out_spec=ep.call_spec.out_spec, functions=functions,
+                    input_indices=input_indices, user_flat=user_flat)
 
-    # 2. the joint forward+backward graph
+
+def _trace_joint(step: torch.nn.Module, fwd: _Forward) -> tuple[Any, torch.fx.GraphModule]:
+    """:func:`capture`'s fourth phase: the joint forward+backward export of ``step``, and
+    its graph."""
     try:
         with contextlib.ExitStack() as stack:
-            joint = _export_joint(stack, step, user_flat, fake_mode, amp)
+            joint = _export_joint(stack, step, fwd.user_flat, fwd.fake_mode, fwd.amp)
             gm = joint.graph_module
     except CaptureError:
         raise
     except Exception as exc:
         raise _capture_error(exc, "tracing the backward (AOTAutograd joint export)") from exc
+    return joint, gm
 
-    # 3. costs
+
+def _annotate_costs(gm: torch.fx.GraphModule, step: torch.nn.Module, inputs: _StepInputs, fwd: _Forward, *,
+                    hardware: str | Hardware | None, repeats: int) -> tuple[Hardware, dict, list]:
+    """:func:`capture`'s fifth phase: every node's storage, FLOPs, time and workspace,
+    measured on the real tensors or estimated for ``hardware``; returns the hardware,
+    the storages and the joint's placeholders."""
+    tensors, state = inputs.tensors, inputs.state
     hw = get_hardware(hardware) if hardware is not None else get_hardware(
         "cpu" if all(t.device.type == "cpu" for t in tensors + state if not _is_fake_or_meta(t))
         and any(t.device.type == "cpu" for t in tensors + state) else "h100-pcie5")
     storage = costs.annotate_storage(gm)
     costs.annotate_flops(gm)
     placeholders = [n for n in gm.graph.nodes if n.op == "placeholder"]
-    if not measure_time:
+    if not inputs.measure_time:
         costs.annotate_roofline_time(gm, hw)
-    if measure_time or measure_workspace:
-        values = real_placeholder_values(placeholders, step, user_flat)
+    if inputs.measure_time or inputs.measure_workspace:
+        values = real_placeholder_values(placeholders, step, fwd.user_flat)
         cuda = sorted({t.device.index or 0 for t in tensors + state if t.device.type == "cuda"})
         # timing and measuring run the random ops too: the generators end as they were
         with no_autocast(), torch.random.fork_rng(devices=cuda):
-            if measure_time:
+            if inputs.measure_time:
                 costs.annotate_measured_time(gm, values, repeats=repeats)
-            if measure_workspace:
+            if inputs.measure_workspace:
                 costs.annotate_measured_workspace(gm, values)
-    if not measure_workspace:
+    if not inputs.measure_workspace:
         costs.annotate_estimated_workspace(gm)
-
-    cg = _build(gm, storage, name=name or type(model).__name__, shared=_shared_sources(placeholders, step))
-    cg.meta.update({
-        "captured_with": "torch.export(strict=False) + aot_export_joint_with_descriptors",
-        "time_source": "measured" if measure_time else f"roofline:{hw.name}",
-        "torch": torch.__version__,
-        "autocast": [f"{device}:{dtype}".replace("torch.", "") for device, dtype in amp],
-    })
-    names = tuple(f.__qualname__ for f in functions)
-    if names:
-        cg.meta["custom_functions"] = list(names)
-        log.info("the forward calls custom autograd Functions %s: the captured backward differentiates their "
-                 "forward's ops", ", ".join(names))
-    cg.fx = gm
-    cg.capture_info = CaptureInfo(step=step, flat_inputs=user_flat, fake_mode=fake_mode, joint=joint, real=real,
-                                  input_indices=input_indices, in_spec=in_spec, out_spec=out_spec,
-                                  backward=backward, autocast=amp, custom_functions=names,
-                                  state=plain_state(model))
-    return cg
+    return hw, storage, placeholders
 
 
 def graph_of_joint(gm: torch.fx.GraphModule, *, name: str, state: torch.nn.Module, meta: dict) -> ComputeGraph:

@@ -104,7 +104,16 @@ def _where(node: torch.fx.Node) -> str:
     return node.format_node() + (f" (from {src})" if src else "")
 
 
-def _tensor_storage_bytes(value: Any) -> int:
+def tensor_storage_bytes(value: Any) -> int:
+    """Bytes of the storages of the tensors in ``value`` (a tensor or a nest of them),
+    a view counted at its whole base's size.
+
+    Examples
+    --------
+    >>> x = torch.zeros(4, 4)
+    >>> tensor_storage_bytes(x[0]), tensor_storage_bytes((x, torch.zeros(2)))
+    (64, 72)
+    """
     total = 0
     for t in tree_leaves(value):
         if isinstance(t, torch.Tensor):
@@ -167,14 +176,14 @@ def annotate_storage(gm: torch.fx.GraphModule) -> dict[torch.fx.Node, StorageRec
         try:
             val = node.meta.get("val")
             if node.op in ("placeholder", "get_attr"):
-                rec = StorageRecord(_tensor_storage_bytes(val), node.name, False)
+                rec = StorageRecord(tensor_storage_bytes(val), node.name, False)
             elif node.target is operator.getitem:
                 parent = node.args[0]
                 prec = records[parent]
                 if prec.alias:
                     rec = StorageRecord(0, prec.base, True)
                 else:
-                    rec = StorageRecord(_tensor_storage_bytes(val), node.name, False)
+                    rec = StorageRecord(tensor_storage_bytes(val), node.name, False)
             else:
                 src = _aliased_arg(node)
                 if src is not None and src in records:
@@ -182,7 +191,7 @@ def annotate_storage(gm: torch.fx.GraphModule) -> dict[torch.fx.Node, StorageRec
                 elif isinstance(val, (tuple, list)):
                     rec = StorageRecord(0, node.name, False)
                 else:
-                    rec = StorageRecord(_tensor_storage_bytes(val), node.name, False)
+                    rec = StorageRecord(tensor_storage_bytes(val), node.name, False)
         except Exception as exc:
             raise CaptureError(f"cannot size the output of {_where(node)}: {exc}") from exc
         node.meta["remat_storage"] = rec

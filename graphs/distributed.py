@@ -41,7 +41,7 @@ from torch import nn
 
 from graphs.errors import RematError
 from graphs.memory import MemoryTracker
-from graphs.module_mode import _plan_active, apply_module_plan
+from graphs.module_mode import apply_module_plan, plan_active
 from graphs.torch_internals import local_tensor, storage_key, tree_leaves
 
 __all__ = [
@@ -175,7 +175,7 @@ def apply_under_fsdp(model: nn.Module, plan: Mapping[str, str], *, mesh: Any = N
 
     @functools.wraps(original)
     def forward(*args: Any, **kwargs: Any) -> Any:
-        with _plan_active(frozen):
+        with plan_active(frozen):
             return original(model, *args, **kwargs)
 
     model.forward = forward  # FSDP2's root hooks run around this, in nn.Module.__call__

@@ -33,10 +33,10 @@ from torch import nn
 from graphs.autocast import no_autocast
 from graphs.capture import is_random_op, plain_state
 from graphs.compute_graph import BACKWARD_START, ComputeGraph
-from graphs.costs import _tensor_storage_bytes, annotate_storage
+from graphs.costs import annotate_storage, tensor_storage_bytes
 from graphs.errors import RematError
 from graphs.planned import Planner, input_signature, wrap_planned
-from graphs.rewrite import _is_view, boxed, partition_by_schedule, transfers
+from graphs.rewrite import boxed, is_view, partition_by_schedule, transfers
 from graphs.torch_internals import (FakeTensorMode, aot_compile_joint, clear_saved_tensors, detect_fake_mode,
                                      inductor_compile, is_op_overload, tree_flatten, tree_unflatten)
 
@@ -130,7 +130,7 @@ def memory_profile(gm: torch.fx.GraphModule, *, is_backward: bool) -> tuple[list
             made[n], size[n] = index[n.args[0]], rec.bytes
         elif isinstance(n.meta.get("val"), (tuple, list)):
             taken = {g.args[1]: records[g].bytes for g in n.users if g.target is operator.getitem}
-            made[n], size[n] = index[n], max(0, _tensor_storage_bytes(n.meta["val"]) - sum(taken.values()))
+            made[n], size[n] = index[n], max(0, tensor_storage_bytes(n.meta["val"]) - sum(taken.values()))
         else:
             made[n], size[n] = index[n], rec.bytes
     last = dict(made)
@@ -152,7 +152,7 @@ def memory_profile(gm: torch.fx.GraphModule, *, is_backward: bool) -> tuple[list
         ops.append(n)
         live_before.append(live)
         multi = isinstance(n.meta.get("val"), (tuple, list)) and not records[n].alias
-        alloc.append(_tensor_storage_bytes(n.meta["val"]) if multi else
+        alloc.append(tensor_storage_bytes(n.meta["val"]) if multi else
                      0 if n.target is operator.getitem else records[n].bytes)
     return ops, live_before, alloc
 
@@ -189,7 +189,7 @@ def _segments(gm: torch.fx.GraphModule, *, is_backward: bool = False,
         compiled = not _runs_eagerly(node)
         if src in seg_of:  # a projection goes with its op
             k = seg_of[src]
-        elif runs and alloc[i] == 0 and _is_view(node):  # a view costs nothing where it runs
+        elif runs and alloc[i] == 0 and is_view(node):  # a view costs nothing where it runs
             k = len(runs) - 1
         elif runs and compiled == kinds[-1] and (
                 not compiled or ceiling is None or start_live + used + alloc[i] <= ceiling):

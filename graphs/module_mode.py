@@ -127,7 +127,16 @@ def _active_plan() -> Mapping[str, str] | None:
 
 
 @contextlib.contextmanager
-def _plan_active(plan: Mapping[str, str]):
+def plan_active(plan: Mapping[str, str]):
+    """Within the ``with`` block, ``plan`` (block -> action) is the plan that the wrapped
+    blocks of this thread read; the plan before is put back on leaving it.
+
+    Examples
+    --------
+    >>> with plan_active({"0": "full"}):
+    ...     _active_plan()
+    {'0': 'full'}
+    """
     prev = getattr(_state, "plan", None)
     _state.plan = plan
     try:
@@ -226,7 +235,7 @@ class _DrawReplay:
 
     def mode(self, *, recompute: bool):
         from graphs.capture import op_draws
-        from graphs.rewrite import _rng_state, _rng_swap
+        from graphs.rewrite import rng_state, rng_swap
         from graphs.torch_internals import TorchDispatchMode
 
         states, replay = self.states, iter(self.states)
@@ -238,12 +247,12 @@ class _DrawReplay:
                     if recompute:
                         device, state = next(replay, (None, None))
                         if state is not None:
-                            _rng_swap(state, device)
+                            rng_swap(state, device)
                     else:
                         device = kwargs.get("device") or next(
                             (a.device for a in args if isinstance(a, torch.Tensor)), "cpu")
                         device = torch.device(device)
-                        states.append((device, _rng_state(device)))
+                        states.append((device, rng_state(device)))
                 return func(*args, **kwargs)
 
         return _Draws()
@@ -381,7 +390,7 @@ def apply_module_plan(model: nn.Module, plan: Mapping[str, str]) -> nn.Module:
 
     @functools.wraps(original_forward)
     def forward(*args: Any, **kwargs: Any) -> Any:
-        with _plan_active(frozen):
+        with plan_active(frozen):
             return original_forward(wrapper, *args, **kwargs)
 
     wrapper.forward = forward
@@ -485,7 +494,7 @@ def measure_block_actions(model: nn.Module, args: tuple, kwargs: Mapping[str, An
         if accelerator:
             stats.synchronize(device)
         t0 = time.perf_counter() if accelerator else time.process_time()
-        with _plan_active({block: action}):
+        with plan_active({block: action}):
             out = wrapped(*bargs, **bkwargs)
         leaves = [t for t in _tensors(out) if t.requires_grad]
         if leaves:

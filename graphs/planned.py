@@ -419,48 +419,84 @@ def _install(wrapper: nn.Module, model: nn.Module, planner: Planner,
     """Give ``wrapper`` the forward, train, plan cache and copy rules of a planned
     module of ``model``."""
     original_forward = type(model).forward
-    steps: OrderedDict[tuple, Any] = OrderedDict()
-    dropped: set[tuple] = set()  # signatures whose plans the cache dropped
-    warned = [False]  # the cache has dropped a plan (a warning, once)
-    checked = [-1]  # hook_registrations() when the submodules were last seen without hooks
-    templates: dict[tuple, tuple] = {}  # per planned signature, its call's keywords (_call_template)
-    same_as: dict[tuple, tuple | None] = {}  # a new signature -> the planned one it runs, or None
-    sized: set[tuple] = set()  # signatures whose steps run another signature's plan (resizer)
+    cache = _PlanCache(wrapper, model, planner, resizer)
+
+    @functools.wraps(original_forward)
+    def forward(*args: Any, **kwargs: Any) -> Any:
+        if not (wrapper.training and model.training and torch.is_grad_enabled()):
+            return original_forward(wrapper, *args, **kwargs)
+        return cache.planned_forward(args, kwargs)
+
+    def train(mode: bool = True) -> nn.Module:
+        type(wrapper).train(wrapper, mode)
+        model.training = mode
+        return wrapper
+
+    wrapper.forward = forward
+    wrapper.train = train
+    wrapper.__deepcopy__ = functools.partial(_deep_copy, wrapper, model, planner, copy_planner, resizer)
+    wrapper.__reduce_ex__ = functools.partial(_reduce, wrapper, model)
+    wrapper.remat_steps = cache.steps
+    wrapper.remat_plan_now = cache.plan_now
+
+
+class _PlanCache:
+    """The steps of a planned module (:func:`_install`), per input signature: a call
+    runs its signature's step (:meth:`planned_forward`), or a planned call's that differs
+    only in keywords that do not change the forward (:meth:`as_planned_call`), or a
+    resized plan of its size family (:meth:`in_family`), or a plan made for it
+    (:meth:`plan_now`)."""
+
+    def __init__(self, wrapper: nn.Module, model: nn.Module, planner: Planner, resizer: Resizer | None) -> None:
+        self.wrapper, self.model, self.planner, self.resizer = wrapper, model, planner, resizer
+        self.original_forward = type(model).forward
+        self.steps: OrderedDict[tuple, Any] = OrderedDict()
+        self.dropped: set[tuple] = set()  # signatures whose plans the cache dropped
+        self.warned = False  # the cache has dropped a plan (a warning, once)
+        self.checked = -1  # hook_registrations() when the submodules were last seen without hooks
+        self.templates: dict[tuple, tuple] = {}  # per planned signature, its call's keywords (_call_template)
+        self.same_as: dict[tuple, tuple | None] = {}  # a new signature -> the planned one it runs, or None
+        self.sized: set[tuple] = set()  # signatures whose steps run another signature's plan (resizer)
 
     @torch.compiler.disable
-    def plan_now(args: tuple, kwargs: dict) -> Any:
+    def plan_now(self, args: tuple, kwargs: dict) -> Any:
+        """Plan the call, keep its step (dropping the least recently used plan past
+        :data:`PLAN_CACHE_SIZE`) and return it."""
+        steps, model, wrapper = self.steps, self.model, self.wrapper
         key = input_signature(args, kwargs)
         again = "it was planned before" if key in steps else (
             f"its plan was dropped (a module keeps the {PLAN_CACHE_SIZE} most recently used plans)"
-            if key in dropped else None)
+            if key in self.dropped else None)
         with root_hooks_off(model):
-            step = planner(model, args, kwargs)
-        keep(key, step, args, kwargs)
-        dropped.discard(key)
-        while len(steps) - len(sized) > PLAN_CACHE_SIZE:
-            old = next(k for k in steps if k not in sized)
+            step = self.planner(model, args, kwargs)
+        self.keep(key, step, args, kwargs)
+        self.dropped.discard(key)
+        while len(steps) - len(self.sized) > PLAN_CACHE_SIZE:
+            old = next(k for k in steps if k not in self.sized)
             del steps[old]
-            if not warned[0]:
+            if not self.warned:
                 warnings.warn(f"{type(model).__name__} was called with more than {PLAN_CACHE_SIZE} input "
                               "signatures (shapes, dtypes, autocast state) in training: the least recently "
                               "used plan is dropped and made again when its signature comes back; pad inputs "
                               "to a few fixed shapes to plan once", stacklevel=4)
-            dropped.add(old)
-            warned[0] = True
+            self.dropped.add(old)
+            self.warned = True
         actions = getattr(step, "actions", None)  # a module-mode step, perhaps wrapped
         if actions is not None:
             wrapper.remat_plan = actions
         report = wrapper.__dict__.get("report")
         if again is not None and report is not None:
             report.notes.append(f"this plan was made again for an input signature: {again}")
-        checked[0] = -1
+        self.checked = -1
         return step
 
-    def keep(key: tuple, step: Any, args: tuple, kwargs: dict, *, resized: bool = False) -> None:
+    def keep(self, key: tuple, step: Any, args: tuple, kwargs: dict, *, resized: bool = False) -> None:
+        """Keep ``step`` as the most recently used, for the signature ``key``."""
+        steps, sized = self.steps, self.sized
         steps[key] = step
         steps.move_to_end(key)
-        templates[key] = _call_template(args, kwargs)
-        same_as.clear()  # a call that found no plan before may find one now
+        self.templates[key] = _call_template(args, kwargs)
+        self.same_as.clear()  # a call that found no plan before may find one now
         if resized:
             sized.add(key)
             while len(sized) > SIZED_CACHE_SIZE:  # made again, cheaply, if it comes back
@@ -470,12 +506,13 @@ def _install(wrapper: nn.Module, model: nn.Module, planner: Planner,
         else:
             sized.discard(key)
 
-    def in_family(args: tuple, kwargs: dict, key: tuple) -> Any:
+    def in_family(self, args: tuple, kwargs: dict, key: tuple) -> Any:
         """The step of a call of a planned family: a plan's decisions at its sizes (the
         smallest planned call that covers it), or a plan for the family's bucket when
         it is larger than every one; None where it is planned on its own."""
+        steps = self.steps
         family = size_family(key)
-        planned = [k for k in steps if k not in sized and size_family(k) == family]
+        planned = [k for k in steps if k not in self.sized and size_family(k) == family]
         if not planned:
             return None
         covering = [k for k in planned if _covers(k, key)]
@@ -488,68 +525,66 @@ def _install(wrapper: nn.Module, model: nn.Module, planner: Planner,
             sizes = bucket_sizes(key, planned)
             big_args, big_kwargs = grown_inputs(args, kwargs, sizes)
             try:
-                base_step = plan_now(big_args, big_kwargs)
+                base_step = self.plan_now(big_args, big_kwargs)
                 grown = input_signature(big_args, big_kwargs)
             except Exception as exc:  # the model or the budget does not take the bucket's sizes
                 log.info("no plan for the bucket %s (%s): planning the call's own sizes", sizes, exc)
                 return None
-            report = wrapper.__dict__.get("report")
+            report = self.wrapper.__dict__.get("report")
             if report is not None:
                 report.notes.append(f"planned for the inputs' sizes up to {', '.join(map(str, sizes))} (the "
                                     "dimensions that vary rounded up to a power of two); calls no larger in any "
                                     "dimension run its decisions")
         if grown == key:  # the call has the bucket's sizes: the plan is its own
             return base_step
-        with root_hooks_off(model):
-            step = resizer(model, base_step, args, kwargs)
+        with root_hooks_off(self.model):
+            step = self.resizer(self.model, base_step, args, kwargs)
         if step is not None:
-            keep(key, step, args, kwargs, resized=True)
+            self.keep(key, step, args, kwargs, resized=True)
         return step
 
-    def check_hooks() -> None:
+    def check_hooks(self) -> None:
+        """Refuse a step that runs a captured graph while a submodule has a hook."""
         now = hook_registrations()
-        if now == checked[0]:
+        if now == self.checked:
             return
-        found = forward_hooks(wrapper, root=False)
+        found = forward_hooks(self.wrapper, root=False)
         if found:
             raise HookNotRun(
-                f"{type(model).__name__}'s planned step runs a captured graph, which does not call its "
+                f"{type(self.model).__name__}'s planned step runs a captured graph, which does not call its "
                 f"submodules, so these hooks would not fire: {', '.join(found)}. Remove them, or optimize "
                 "the model with mode='module' (its steps call the submodules, and their hooks fire)")
-        checked[0] = now
-
-    @functools.wraps(original_forward)
-    def forward(*args: Any, **kwargs: Any) -> Any:
-        if not (wrapper.training and model.training and torch.is_grad_enabled()):
-            return original_forward(wrapper, *args, **kwargs)
-        return planned_forward(args, kwargs)
+        self.checked = now
 
     # a compiled caller (torch.compile of the module or of a function calling it) runs
     # the planned step as it is: Dynamo does not trace planning, nor the step, whose
     # graphs already are what the plan runs (compiler="inductor" compiles them)
     @torch.compiler.disable
-    def planned_forward(args: tuple, kwargs: dict) -> Any:
+    def planned_forward(self, args: tuple, kwargs: dict) -> Any:
+        """Run the training call's step, planning it first where no step serves."""
+        steps = self.steps
         key = input_signature(args, kwargs)
         if key not in steps and steps:
-            args, kwargs, key = as_planned_call(args, kwargs, key)
+            args, kwargs, key = self.as_planned_call(args, kwargs, key)
         step = steps.get(key)
-        if step is None and resizer is not None and steps:
-            step = in_family(args, kwargs, key)
+        if step is None and self.resizer is not None and steps:
+            step = self.in_family(args, kwargs, key)
         if step is None:
-            step = plan_now(args, kwargs)
+            step = self.plan_now(args, kwargs)
         else:
             steps.move_to_end(key)
         if getattr(step, "hooks_captured", True):
-            check_hooks()
-        return step(wrapper, args, kwargs)
+            self.check_hooks()
+        return step(self.wrapper, args, kwargs)
 
-    def as_planned_call(args: tuple, kwargs: dict, key: tuple) -> tuple[tuple, dict, tuple]:
+    def as_planned_call(self, args: tuple, kwargs: dict, key: tuple) -> tuple[tuple, dict, tuple]:
         """The call made like a planned call (its keywords) where the two differ only in
         keywords that do not change the forward, checked once per new signature; with a
         ``resizer``, a planned call of the same family counts (sizes may differ)."""
+        same_as, templates, resizer = self.same_as, self.templates, self.resizer
         if key not in same_as:
             same_as[key] = None
-            for planned in reversed(steps):
+            for planned in reversed(self.steps):
                 other = _as_planned(args, kwargs, templates[planned])
                 if other is None:
                     continue
@@ -557,7 +592,7 @@ def _install(wrapper: nn.Module, model: nn.Module, planner: Planner,
                 if like == key:
                     continue
                 if ((like == planned or (resizer is not None and size_family(like) == size_family(planned)))
-                        and same_forward(original_forward, wrapper, (args, kwargs), (args, other))):
+                        and same_forward(self.original_forward, self.wrapper, (args, kwargs), (args, other))):
                     same_as[key] = planned
                     break
         planned = same_as[key]
@@ -565,18 +600,6 @@ def _install(wrapper: nn.Module, model: nn.Module, planner: Planner,
             return args, kwargs, key
         other = _as_planned(args, kwargs, templates[planned])
         return args, other, input_signature(args, other)
-
-    def train(mode: bool = True) -> nn.Module:
-        type(wrapper).train(wrapper, mode)
-        model.training = mode
-        return wrapper
-
-    wrapper.forward = forward
-    wrapper.train = train
-    wrapper.__deepcopy__ = functools.partial(_deep_copy, wrapper, model, planner, copy_planner, resizer)
-    wrapper.__reduce_ex__ = functools.partial(_reduce, wrapper, model)
-    wrapper.remat_steps = steps
-    wrapper.remat_plan_now = plan_now
 
 
 def _deep_copy(wrapper: nn.Module, model: nn.Module, planner: Planner,

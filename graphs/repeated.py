@@ -353,10 +353,74 @@ def repeat_layers(graph: ComputeGraph, *, parent: str, count: int) -> ComputeGra
     >>> sorted(big.nx.predecessors("b2@4"))
     ['b3', 'f2@4']
     """
+    try:
+        match = _match_layers(graph, parent)
+        w2 = _middle_wiring(match)
+        _one_run_per_layer(match)
+        aliases = _alias_roles(match)
+    except _NotCopies as exc:
+        return _differ(str(exc))
+    g = ComputeGraph(graph.nx.copy(), name=graph.name, meta=dict(graph.meta))
+    copies = _Copies(parent=parent, count=count)
+    _add_copies(g, match, w2, aliases, copies)
+    _attach_last_layer(g, match, aliases, copies)
+    out = _repeated_order(match, copies)
+    g.order = out
+    from graphs.capture import random_order
+
+    g.meta["ordered"] = random_order(g, out)
+    g.meta["repeated"] = {"layers": count, "template": f"{parent}.2" if parent else "2", "captured": _KEPT}
+    log.info("repeat_layers: %d layers from %d captured (%d nodes)", count, _KEPT, len(g))
+    return g.validate()
+
+
+class _NotCopies(Exception):
+    """The captured layers are not copies of one another; the message says how."""
+
+
+@dataclass
+class _LayerMatch:
+    """Layers 1 and 2 of a captured DAG, node for node (:func:`_match_layers`)."""
+
+    graph: ComputeGraph
+    member: dict  # node -> captured layer (:func:`_member`)
+    layer: dict  # captured layer -> its nodes
+    pos: dict  # op -> its place in the reference order
+    one: list  # layer 1's nodes, ops in the reference order, then sources
+    two: list  # layer 2's, in the same order
+    phi: dict  # layer 1's node -> layer 2's
+
+    def role(self, u: Hashable, of: int) -> tuple:
+        """Where ``u`` sits for layer ``of`` (1 or 2): ``(kind, node)``, with the nodes of
+        the middle layers named by their layer-2 node."""
+        i = self.member.get(u)
+        if i is None:
+            return ("shared", u)
+        if i == of:
+            return ("same", self.phi[u] if of == 1 else u)
+        if i == of - 1:
+            return ("prev", self.phi[u] if of == 2 else u)
+        if i == of + 1:
+            return ("next", u)
+        return ("far", u)
+
+    def wiring(self, of: int) -> set:
+        """Layer ``of``'s edges, ``(direction, its node as layer 2's, role of the other end)``."""
+        edges = set()
+        for v in (self.one if of == 1 else self.two):
+            me = self.phi[v] if of == 1 else v
+            edges.update(("in", me, self.role(u, of)) for u in self.graph.nx.predecessors(v))
+            edges.update(("out", me, self.role(w, of)) for w in self.graph.nx.successors(v))
+        return edges
+
+
+def _match_layers(graph: ComputeGraph, parent: str) -> _LayerMatch:
+    """:func:`repeat_layers`'s first phase: the captured layers' nodes, layer 1's matched
+    to layer 2's in the reference order, with the same costs."""
     member = _member(graph, parent)
     layer = {i: [v for v in graph.nx.nodes if member.get(v) == i] for i in range(_KEPT)}
     if any(not layer[i] for i in range(_KEPT)) or len(layer[1]) != len(layer[2]):
-        return _differ('a layer has no node, or layers 1 and 2 differ in size')
+        raise _NotCopies('a layer has no node, or layers 1 and 2 differ in size')
     pos = {v: i for i, v in enumerate(graph.order)}
     nodes = graph.nx.nodes
 
@@ -368,98 +432,118 @@ def repeat_layers(graph: ComputeGraph, *, parent: str, count: int) -> ComputeGra
     for a, b in phi.items():
         if any(nodes[a].get(k) != nodes[b].get(k) for k in _SAME) or (
                 (nodes[a].get("group") is None) != (nodes[b].get("group") is None)):
-            return _differ("layers 1 and 2 differ in a node's costs")
+            raise _NotCopies("layers 1 and 2 differ in a node's costs")
+    return _LayerMatch(graph=graph, member=member, layer=layer, pos=pos, one=one, two=two, phi=phi)
 
-    def role(u: Hashable, of: int) -> tuple:
-        """Where ``u`` sits for layer ``of`` (1 or 2): ``(kind, node)``, with the nodes of
-        the middle layers named by their layer-2 node."""
-        i = member.get(u)
-        if i is None:
-            return ("shared", u)
-        if i == of:
-            return ("same", phi[u] if of == 1 else u)
-        if i == of - 1:
-            return ("prev", phi[u] if of == 2 else u)
-        if i == of + 1:
-            return ("next", u)
-        return ("far", u)
 
-    def wiring(of: int) -> set:
-        edges = set()
-        for v in (one if of == 1 else two):
-            me = phi[v] if of == 1 else v
-            edges.update(("in", me, role(u, of)) for u in graph.nx.predecessors(v))
-            edges.update(("out", me, role(w, of)) for w in graph.nx.successors(v))
-        return edges
-
-    w1, w2 = wiring(1), wiring(2)
+def _middle_wiring(match: _LayerMatch) -> set:
+    """:func:`repeat_layers`'s second phase: layer 2's edges (:meth:`_LayerMatch.wiring`),
+    checked to be layer 1's: one wiring serves every pair of middle layers."""
+    w1, w2 = match.wiring(1), match.wiring(2)
     if any(r[0] == "far" for _, _, r in w1 | w2):
-        return _differ('a layer reads a layer that is not its neighbour')
+        raise _NotCopies('a layer reads a layer that is not its neighbour')
     # layer 2 has layer 1's own and shared edges, and reads (is read by) layer 1 as
-    # layer 1 is read by (reads) layer 2: one wiring serves every pair of middle layers
+    # layer 1 is read by (reads) layer 2
     inner = lambda w: {e for e in w if e[2][0] in ("same", "shared")}  # noqa: E731
     down = {(d, me, r[1]) for d, me, r in w2 if r[0] == "prev"}
     up = {("in" if d == "out" else "out", r[1], me) for d, me, r in w1 if r[0] == "next"}
     if inner(w1) != inner(w2) or down != up:
-        return _differ('layers 1 and 2 are wired differently')
-    # one run of the order per layer and phase
+        raise _NotCopies('layers 1 and 2 are wired differently')
+    return w2
+
+
+def _one_run_per_layer(match: _LayerMatch) -> None:
+    """:func:`repeat_layers`'s third phase: each layer's ops are one run of the
+    reference order in forward and one in backward."""
+    nodes, pos = match.graph.nx.nodes, match.pos
     for i in range(1, _KEPT):
         for phase in ("forward", "backward"):
-            ran = sorted(pos[v] for v in layer[i] if v in pos and nodes[v]["phase"] == phase)
+            ran = sorted(pos[v] for v in match.layer[i] if v in pos and nodes[v]["phase"] == phase)
             if ran and ran[-1] - ran[0] + 1 != len(ran):
-                return _differ("a layer's ops are not one run of the order")
-    inv = {b: a for a, b in phi.items()}
+                raise _NotCopies("a layer's ops are not one run of the order")
+
+
+def _alias_roles(match: _LayerMatch) -> dict:
+    """:func:`repeat_layers`'s fourth phase: layer-2 node -> what its alias is, in the
+    terms of :meth:`_LayerMatch.role`; a view of the next layer (a gradient flowing
+    down) as layer 1's view of layer 2."""
+    nodes = match.graph.nx.nodes
+    inv = {b: a for a, b in match.phi.items()}
 
     def alias_role(v: Hashable) -> tuple | None:
-        """What the alias of layer-2 node ``v`` is, in the terms of :func:`role`; a view
-        of the next layer (a gradient flowing down) as layer 1's view of layer 2."""
-        r = role(nodes[v]["alias_of"], 2)
+        r = match.role(nodes[v]["alias_of"], 2)
         if r[0] != "next":
             return r if r[0] != "far" else None
-        r1 = role(nodes[inv[v]].get("alias_of"), 1) if nodes[inv[v]].get("alias_of") is not None else None
+        r1 = match.role(nodes[inv[v]].get("alias_of"), 1) if nodes[inv[v]].get("alias_of") is not None else None
         return ("next", r1[1], r[1]) if r1 is not None and r1[0] == "next" else None
 
-    aliases = {v: alias_role(v) for v in two if nodes[v].get("alias_of") is not None}
+    aliases = {v: alias_role(v) for v in match.two if nodes[v].get("alias_of") is not None}
     if any(r is None for r in aliases.values()):
-        return _differ("layers 1 and 2 alias the storage of other layers differently")
+        raise _NotCopies("layers 1 and 2 alias the storage of other layers differently")
+    return aliases
 
-    g = ComputeGraph(graph.nx.copy(), name=graph.name, meta=dict(graph.meta))
-    last = count - 1
-    copies = list(range(3, last))  # layer 2 is the first copy of itself
 
-    def rename(text: Any, i: int, j: int) -> Any:
-        return _renamed(text, parent, i, j)
+@dataclass
+class _Copies:
+    """The middle layers written as copies of layer 2: ``3 .. count-2``."""
 
+    parent: str
+    count: int
+
+    @property
+    def last(self) -> int:
+        return self.count - 1
+
+    @property
+    def layers(self) -> list:
+        return list(range(3, self.last))  # layer 2 is the first copy of itself
+
+    def rename(self, text: Any, i: int, j: int) -> Any:
+        return _renamed(text, self.parent, i, j)
+
+    @staticmethod
     def at(j: int, v: Hashable) -> Hashable:
         """The node of middle layer ``j`` that is ``v`` (a node of layer 2) there."""
         return v if j == 2 else f"{v}@{j}"
 
-    def node_of(r: tuple, j: int) -> Hashable:
+    def node_of(self, r: tuple, j: int) -> Hashable:
+        """The node that role ``r`` (:meth:`_LayerMatch.role` of layer 2) is for layer ``j``."""
         kind, u = r[0], r[1]
         if kind == "shared":
             return u
         if kind == "next":  # (next, layer-2 node as layer 1 sees it, the last layer's node)
-            return r[2] if j == last - 1 else at(j + 1, u)
-        return at(j, u) if kind == "same" else at(j - 1, u)  # "prev": layer j - 1
+            return r[2] if j == self.last - 1 else self.at(j + 1, u)
+        return self.at(j, u) if kind == "same" else self.at(j - 1, u)  # "prev": layer j - 1
 
-    for j in copies:
-        for v in two:
+
+def _add_copies(g: ComputeGraph, match: _LayerMatch, w2: set, aliases: dict, copies: _Copies) -> None:
+    """:func:`repeat_layers`'s fifth phase: layer 2's nodes and edges written into ``g``
+    for every middle layer, naming their own layer."""
+    nodes, at = match.graph.nx.nodes, copies.at
+    for j in copies.layers:
+        for v in match.two:
             d = dict(nodes[v])
             for key in ("module", "name"):
                 if key in d:
-                    d[key] = rename(d[key], 2, j)
+                    d[key] = copies.rename(d[key], 2, j)
             if d.get("group") is not None:
                 d["group"] = f"{d['group']}@{j}"
             if v in aliases:
-                d["alias_of"] = node_of(aliases[v], j)
+                d["alias_of"] = copies.node_of(aliases[v], j)
             g.nx.add_node(at(j, v), **d)
-    for j in copies:
+    for j in copies.layers:
         for d, me, r in w2:
             if r[0] != "next":
-                u = node_of(r, j)
+                u = copies.node_of(r, j)
                 g.nx.add_edge(*((u, at(j, me)) if d == "in" else (at(j, me), u)))
-    # the last layer reads (and is read by) the last middle layer instead of layer 2
-    for v in two:
+
+
+def _attach_last_layer(g: ComputeGraph, match: _LayerMatch, aliases: dict, copies: _Copies) -> None:
+    """:func:`repeat_layers`'s sixth phase: the last layer reads (and is read by) the
+    last middle layer instead of layer 2, and names itself layer ``count - 1``."""
+    graph, member, nodes = match.graph, match.member, match.graph.nx.nodes
+    last, at = copies.last, copies.at
+    for v in match.two:
         for u in [u for u in graph.nx.predecessors(v) if member.get(u) == 3]:
             g.nx.remove_edge(u, v)
             g.nx.add_edge(u, at(last - 1, v))
@@ -468,17 +552,22 @@ def repeat_layers(graph: ComputeGraph, *, parent: str, count: int) -> ComputeGra
             g.nx.add_edge(at(last - 1, v), w)
     for v, r in aliases.items():  # layer 2's views of the next layer: of copy 3 now
         if r[0] == "next":
-            g.nx.nodes[v]["alias_of"] = node_of(r, 2)
-    for v in layer[3]:
+            g.nx.nodes[v]["alias_of"] = copies.node_of(r, 2)
+    for v in match.layer[3]:
         a = nodes[v].get("alias_of")
         if a is not None and member.get(a) == 2:
             g.nx.nodes[v]["alias_of"] = at(last - 1, a)
-    for v in layer[3]:
+    for v in match.layer[3]:
         d = g.nx.nodes[v]
         for key in ("module", "name"):
             if key in d:
-                d[key] = rename(d[key], 3, last)
-    # the reference order: copies' forward after layer 2's, their backward before it
+                d[key] = copies.rename(d[key], 3, last)
+
+
+def _repeated_order(match: _LayerMatch, copies: _Copies) -> list:
+    """:func:`repeat_layers`'s last phase: the reference order, the copies' forward
+    after layer 2's, their backward before it."""
+    graph, member, nodes, at = match.graph, match.member, match.graph.nx.nodes, copies.at
     order = list(graph.order)
     fwd2 = [v for v in order if member.get(v) == 2 and nodes[v]["phase"] == "forward"]
     bwd2 = [v for v in order if member.get(v) == 2 and nodes[v]["phase"] == "backward"]
@@ -486,20 +575,14 @@ def repeat_layers(graph: ComputeGraph, *, parent: str, count: int) -> ComputeGra
     for v in order:
         out.append(v)
         if fwd2 and v == fwd2[-1]:
-            for j in copies:
+            for j in copies.layers:
                 out.extend(at(j, u) for u in fwd2)
         if bwd2 and v == bwd2[0]:
             out.pop()
-            for j in reversed(copies):
+            for j in reversed(copies.layers):
                 out.extend(at(j, u) for u in bwd2)
             out.append(v)
-    g.order = out
-    from graphs.capture import random_order
-
-    g.meta["ordered"] = random_order(g, out)
-    g.meta["repeated"] = {"layers": count, "template": f"{parent}.2" if parent else "2", "captured": _KEPT}
-    log.info("repeat_layers: %d layers from %d captured (%d nodes)", count, _KEPT, len(g))
-    return g.validate()
+    return out
 
 
 @dataclass
@@ -579,57 +662,105 @@ def stitch_joint(cut: ComputeGraph, model: torch.nn.Module, *, parent: str, coun
     >>> len(how.params_spec), how.num_fwd_outputs
     (12, 1)
     """
-    from torch.fx.node import map_aggregate
-
-    from graphs.rewrite import is_tangent
-    from graphs.torch_internals import (joint_is_plain, lazy_graph_module, renamed_input, tree_flatten,
-                                         tree_unflatten)
+    from graphs.torch_internals import joint_is_plain, lazy_graph_module
 
     info = cut.capture_info
     if cut.fx is None or info is None or not joint_is_plain(info.joint):
         return _differ("the cut capture's joint graph needs AOTAutograd's runtime")
     gm = cut.fx
-    nodes = list(gm.graph.nodes)
+    try:
+        layers = _joint_layers(cut, parent, count)
+        roles = _input_roles(layers)
+        _only_neighbours_read(layers, roles)
+        writer = _JointWriter(layers, roles)
+        writer.write_steps()
+        n_fwd, written = writer.write_outputs()
+        written_gm = lazy_graph_module(gm, writer.graph)  # its code is generated only if it is run or read
+        written_gm.meta.update(gm.meta)
+        params, buffers = _model_inputs(written, layers.prefix, model)
+    except _NotCopies as exc:
+        return _differ(str(exc))
+    return written_gm, Stitched(params_spec=params, buffers_spec=buffers, num_fwd_outputs=n_fwd,
+                                template=writer.template)
+
+
+@dataclass
+class _JointLayers:
+    """Layers 1 and 2 of a cut capture's joint graph, node for node (:func:`_joint_layers`)."""
+
+    nodes: list  # the joint graph's nodes
+    member: dict  # fx node -> captured layer (:func:`_fx_members`)
+    prefix: str  # the export's prefix of parameter names ("gm.")
+    two: list  # layer 2's nodes
+    phi: dict  # layer 1's node -> layer 2's
+    parent: str
+    count: int
+
+    @property
+    def out_node(self) -> torch.fx.Node:
+        return self.nodes[-1]
+
+    @property
+    def last(self) -> int:
+        return self.count - 1
+
+    @property
+    def copies(self) -> list:
+        return list(range(3, self.last))
+
+    def rename(self, text: Any, i: int, j: int) -> Any:
+        return _renamed(text, self.parent, i, j)
+
+
+def _joint_layers(cut: ComputeGraph, parent: str, count: int) -> _JointLayers:
+    """:func:`stitch_joint`'s first phase: the joint graph's nodes of each captured
+    layer, layer 1's matched to layer 2's in graph order."""
+    info = cut.capture_info
+    nodes = list(cut.fx.graph.nodes)
     member = _fx_members(cut, parent)
     # the export's names of parameters: "gm." (the step's attribute) and the model's own
     prefix = info.joint.params_spec[0].split(".")[0] + "." if info.joint.params_spec else ""
     one = [n for n in nodes if member.get(n) == 1]
     two = [n for n in nodes if member.get(n) == 2]
     if len(one) != len(two) or not two:
-        return _differ("layers 1 and 2 differ in their graph nodes")
-    phi = dict(zip(one, two))
+        raise _NotCopies("layers 1 and 2 differ in their graph nodes")
+    return _JointLayers(nodes=nodes, member=member, prefix=prefix, two=two, phi=dict(zip(one, two)), parent=parent,
+                        count=count)
+
+
+def _same_constant(x: Any, y: Any) -> bool:
+    try:
+        return type(x) is type(y) and bool(x == y)
+    except Exception:  # tensors and the like: not constants of an op here
+        return x is y
+
+
+def _input_roles(layers: _JointLayers) -> dict:
+    """:func:`stitch_joint`'s second phase: the role of every input of every layer-2
+    node, read off its layer-1 counterpart (the same op, the same constants, its inputs
+    in the same places): layer-2 node -> (roles of its flat arguments, their spec)."""
+    from graphs.torch_internals import tree_flatten
+
+    member, phi = layers.member, layers.phi
     inv = {b: a for a, b in phi.items()}
-    last = count - 1
-    copies = list(range(3, last))
-
-    def rename(text: Any, i: int, j: int) -> Any:
-        return _renamed(text, parent, i, j)
-
-    def same_constant(x: Any, y: Any) -> bool:
-        try:
-            return type(x) is type(y) and bool(x == y)
-        except Exception:  # tensors and the like: not constants of an op here
-            return x is y
-
-    # the role of every input of every layer-2 node, read off its layer-1 counterpart
-    roles: dict[torch.fx.Node, list] = {}
-    for b in two:
+    roles: dict[torch.fx.Node, tuple] = {}
+    for b in layers.two:
         a = inv[b]
         if a.op != b.op or (a.op != "placeholder" and a.target != b.target):
-            return _differ(f"layers 1 and 2 run different ops ({a.name}, {b.name})")
+            raise _NotCopies(f"layers 1 and 2 run different ops ({a.name}, {b.name})")
         la, sa = tree_flatten((a.args, a.kwargs))
         lb, sb = tree_flatten((b.args, b.kwargs))
         if sa != sb or len(la) != len(lb):
-            return _differ(f"layers 1 and 2 call {b.name} differently")
+            raise _NotCopies(f"layers 1 and 2 call {b.name} differently")
         got = []
         for x1, x2 in zip(la, lb):
             if not isinstance(x2, torch.fx.Node):
-                if isinstance(x1, torch.fx.Node) or not same_constant(x1, x2):
-                    return _differ(f"layers 1 and 2 call {b.name} with other constants")
+                if isinstance(x1, torch.fx.Node) or not _same_constant(x1, x2):
+                    raise _NotCopies(f"layers 1 and 2 call {b.name} with other constants")
                 got.append(("const", x2))
                 continue
             if not isinstance(x1, torch.fx.Node):
-                return _differ(f"layers 1 and 2 call {b.name} differently")
+                raise _NotCopies(f"layers 1 and 2 call {b.name} differently")
             m1, m2 = member.get(x1), member.get(x2)
             if m2 == 2 and m1 == 1 and phi.get(x1) is x2:
                 got.append(("same", x2))
@@ -640,39 +771,55 @@ def stitch_joint(cut: ComputeGraph, model: torch.nn.Module, *, parent: str, coun
             elif m2 is None and x1 is x2:
                 got.append(("shared", x2))
             else:
-                return _differ(f"layer 2's {b.name} reads {x2.name} where layer 1's reads {x1.name}")
+                raise _NotCopies(f"layer 2's {b.name} reads {x2.name} where layer 1's reads {x1.name}")
         roles[b] = (got, sb)
-    # outside layer 2, only layer 1 (its backward), layer 3 (the last) and the outputs read it
-    out_node = nodes[-1]
-    for n in nodes:
-        if n in roles or n is out_node:
+    return roles
+
+
+def _only_neighbours_read(layers: _JointLayers, roles: dict) -> None:
+    """:func:`stitch_joint`'s third phase: outside layer 2, only layer 1 (its backward),
+    layer 3 (the last) and the outputs read it."""
+    for n in layers.nodes:
+        if n in roles or n is layers.out_node:
             continue
-        if any(member.get(x) == 2 for x in n.all_input_nodes) and member.get(n) not in (1, 3):
-            return _differ(f"{n.name}, outside the layers, reads layer 2")
+        if any(layers.member.get(x) == 2 for x in n.all_input_nodes) and layers.member.get(n) not in (1, 3):
+            raise _NotCopies(f"{n.name}, outside the layers, reads layer 2")
 
-    graph = torch.fx.Graph()
-    env: dict = {}  # cut node -> its node in the written graph (layer 2 is copy 2 of itself)
-    copy_env: dict[int, dict] = {j: {} for j in copies}
-    template: dict[str, str] = {}
 
-    def at(j: int, x: torch.fx.Node) -> torch.fx.Node:
-        return env[x] if j == 2 else copy_env[j][x]
+class _JointWriter:
+    """Writes :func:`stitch_joint`'s graph: the cut joint's nodes in their order with
+    layer 2's copied for every middle layer (:meth:`write_steps`), then the outputs
+    (:meth:`write_outputs`)."""
 
-    def resolve(role: tuple, j: int) -> Any:
+    def __init__(self, layers: _JointLayers, roles: dict) -> None:
+        self.layers, self.roles = layers, roles
+        self.graph = torch.fx.Graph()
+        self.env: dict = {}  # cut node -> its node in the written graph (layer 2 is copy 2 of itself)
+        self.copy_env: dict[int, dict] = {j: {} for j in layers.copies}
+        self.template: dict[str, str] = {}
+
+    def at(self, j: int, x: torch.fx.Node) -> torch.fx.Node:
+        return self.env[x] if j == 2 else self.copy_env[j][x]
+
+    def resolve(self, role: tuple, j: int) -> Any:
+        """The value that an input of role ``role`` (:func:`_input_roles`) is for copy ``j``."""
         kind = role[0]
         if kind == "const":
             return role[1]
         if kind == "shared":
-            return env[role[1]]
+            return self.env[role[1]]
         if kind == "same":
-            return at(j, role[1])
+            return self.at(j, role[1])
         if kind == "prev":
-            return at(j - 1, role[1])
+            return self.at(j - 1, role[1])
         # next: layer 2 reads the last layer; every other copy reads the copy after it
-        return env[role[2]] if j + 1 == last else at(j + 1, role[1])
+        return self.env[role[2]] if j + 1 == self.layers.last else self.at(j + 1, role[1])
 
-    def meta_of(b: torch.fx.Node, i: int, j: int) -> dict:
+    def meta_of(self, b: torch.fx.Node, i: int, j: int) -> dict:
         """``b``'s metadata, its module paths (and parameter's name) of layer ``i`` made layer ``j``'s."""
+        from graphs.torch_internals import renamed_input
+
+        rename, prefix = self.layers.rename, self.layers.prefix
         meta = dict(b.meta)
         for key in ("nn_module_stack", "fwd_nn_module_stack"):
             if isinstance(meta.get(key), dict):
@@ -684,88 +831,117 @@ def stitch_joint(cut: ComputeGraph, model: torch.nn.Module, *, parent: str, coun
             meta["desc"] = renamed_input(meta["desc"], head + dot + rename(rest, i, j))
         return meta
 
-    def emit_copy(b: torch.fx.Node, j: int) -> None:
-        got, spec = roles[b]
-        args, kwargs = tree_unflatten([resolve(r, j) for r in got], spec)
-        new = graph.create_node(b.op, b.target, args, kwargs, name=f"{b.name}_l{j}")
-        new.meta = meta_of(b, 2, j)
+    def emit_copy(self, b: torch.fx.Node, j: int) -> None:
+        """Write layer-2 node ``b`` as copy ``j``'s."""
+        from graphs.torch_internals import tree_unflatten
+
+        got, spec = self.roles[b]
+        args, kwargs = tree_unflatten([self.resolve(r, j) for r in got], spec)
+        new = self.graph.create_node(b.op, b.target, args, kwargs, name=f"{b.name}_l{j}")
+        new.meta = self.meta_of(b, 2, j)
         if b.op == "placeholder":  # an input of its own, named as its node
             new.target = new.name
-        copy_env[j][b] = new
-        template[new.name] = b.name
+        self.copy_env[j][b] = new
+        self.template[new.name] = b.name
 
-    def emit(n: torch.fx.Node) -> None:
+    def emit(self, n: torch.fx.Node) -> None:
+        """Write node ``n`` of the cut joint."""
+        from graphs.torch_internals import tree_flatten, tree_unflatten
+
+        layers, env, copies = self.layers, self.env, self.layers.copies
+        member = layers.member
+
         def arg(x: torch.fx.Node) -> torch.fx.Node:
             if copies and member.get(n) == 3 and member.get(x) == 2:
-                return copy_env[last - 1][x]  # the last layer reads the last copy
+                return self.copy_env[layers.last - 1][x]  # the last layer reads the last copy
             return env[x]
-        if copies and n in roles:  # layer 2 reads the first copy where it read the last layer
-            got, spec = roles[n]
+        if copies and n in self.roles:  # layer 2 reads the first copy where it read the last layer
+            got, spec = self.roles[n]
             leaves = tree_flatten((n.args, n.kwargs))[0]
-            args, kwargs = tree_unflatten([at(3, r[1]) if r[0] == "next" else env[x] if isinstance(x, torch.fx.Node)
-                                           else x for r, x in zip(got, leaves)], spec)
-            new = graph.create_node(n.op, n.target, args, kwargs, name=n.name)
+            args, kwargs = tree_unflatten([self.at(3, r[1]) if r[0] == "next" else env[x]
+                                           if isinstance(x, torch.fx.Node) else x for r, x in zip(got, leaves)], spec)
+            new = self.graph.create_node(n.op, n.target, args, kwargs, name=n.name)
         else:
-            new = graph.node_copy(n, arg)
-        new.meta = meta_of(n, 3, last) if member.get(n) == 3 else dict(n.meta)
+            new = self.graph.node_copy(n, arg)
+        new.meta = self.meta_of(n, 3, layers.last) if member.get(n) == 3 else dict(n.meta)
         env[n] = new
-        template[new.name] = n.name
+        self.template[new.name] = n.name
 
+    @staticmethod
     def is_backward(n: torch.fx.Node) -> bool:
         return n.meta.get("partitioner_tag") == "is_backward"
 
-    kinds = {}
-    for b in two:
-        if b.op == "placeholder":
-            kinds.setdefault(type(b.meta.get("desc")).__name__, []).append(b)
-    after = {group[-1]: group for group in kinds.values()}
-    fwd2 = [b for b in two if b.op != "placeholder" and not is_backward(b)]
-    bwd2 = [b for b in two if b.op != "placeholder" and is_backward(b)]
-    first_bwd = bwd2[0] if bwd2 else None
-    last_fwd = fwd2[-1] if fwd2 else None
-    try:
-        for n in nodes:
-            if n is out_node:
-                break
-            if n is first_bwd:
-                for j in reversed(copies):
-                    for b in bwd2:
-                        emit_copy(b, j)
-            emit(n)
-            if n in after:
-                for j in copies:
-                    for b in after[n]:
-                        emit_copy(b, j)
-            if n is last_fwd:
-                for j in copies:
-                    for b in fwd2:
-                        emit_copy(b, j)
-    except KeyError as exc:  # a copy read a node not written yet: the layers do not run in turn
-        return _differ(f"a layer reads a value that is written after it ({exc})")
-    # outputs: the forward's, then a gradient per input, the copies' after layer 2's
-    placeholders = [n for n in nodes if n.op == "placeholder" and not is_tangent(n)]
-    outputs = list(out_node.args[0])
-    n_fwd = len(outputs) - len(placeholders)
-    grad_of = dict(zip(placeholders, outputs[n_fwd:]))
-    new_outputs = [map_aggregate(o, lambda x: env[x] if isinstance(x, torch.fx.Node) else x) for o in outputs[:n_fwd]]
-    written = [n for n in graph.nodes if n.op == "placeholder" and not is_tangent(n)]
-    source = {v: k for k, v in env.items() if k.op == "placeholder"}
-    for j in copies:
-        source.update({v: (k, j) for k, v in copy_env[j].items() if k.op == "placeholder"})
-    for p in written:
-        src = source[p]
-        if isinstance(src, tuple):
-            g = grad_of[src[0]]
-            if g is not None and member.get(g) != 2:
-                return _differ(f"the gradient of {src[0].name} is not made in its layer")
-            new_outputs.append(None if g is None else copy_env[src[1]][g])
-        else:
-            g = grad_of[src]
-            new_outputs.append(None if g is None else env[g])
-    graph.output(tuple(new_outputs))
-    written_gm = lazy_graph_module(gm, graph)  # its code is generated only if it is run or read
-    written_gm.meta.update(gm.meta)
-    # the inputs must be the model's parameters and buffers, in the model's order
+    def write_steps(self) -> None:
+        """:func:`stitch_joint`'s fourth phase: every node but the output, the copies'
+        inputs after layer 2's of their kind, their forward after layer 2's forward and
+        their backward, in reverse, before layer 2's backward."""
+        layers, copies, two = self.layers, self.layers.copies, self.layers.two
+        kinds = {}
+        for b in two:
+            if b.op == "placeholder":
+                kinds.setdefault(type(b.meta.get("desc")).__name__, []).append(b)
+        after = {group[-1]: group for group in kinds.values()}
+        fwd2 = [b for b in two if b.op != "placeholder" and not self.is_backward(b)]
+        bwd2 = [b for b in two if b.op != "placeholder" and self.is_backward(b)]
+        first_bwd = bwd2[0] if bwd2 else None
+        last_fwd = fwd2[-1] if fwd2 else None
+        try:
+            for n in layers.nodes:
+                if n is layers.out_node:
+                    break
+                if n is first_bwd:
+                    for j in reversed(copies):
+                        for b in bwd2:
+                            self.emit_copy(b, j)
+                self.emit(n)
+                if n in after:
+                    for j in copies:
+                        for b in after[n]:
+                            self.emit_copy(b, j)
+                if n is last_fwd:
+                    for j in copies:
+                        for b in fwd2:
+                            self.emit_copy(b, j)
+        except KeyError as exc:  # a copy read a node not written yet: the layers do not run in turn
+            raise _NotCopies(f"a layer reads a value that is written after it ({exc})") from None
+
+    def write_outputs(self) -> tuple[int, list]:
+        """:func:`stitch_joint`'s fifth phase: the outputs, the forward's, then a gradient
+        per input, the copies' after layer 2's; returns how many are the forward's, and
+        the written graph's inputs."""
+        from torch.fx.node import map_aggregate
+
+        from graphs.rewrite import is_tangent
+
+        layers, env, copy_env = self.layers, self.env, self.copy_env
+        nodes, out_node = layers.nodes, layers.out_node
+        placeholders = [n for n in nodes if n.op == "placeholder" and not is_tangent(n)]
+        outputs = list(out_node.args[0])
+        n_fwd = len(outputs) - len(placeholders)
+        grad_of = dict(zip(placeholders, outputs[n_fwd:]))
+        new_outputs = [map_aggregate(o, lambda x: env[x] if isinstance(x, torch.fx.Node) else x)
+                       for o in outputs[:n_fwd]]
+        written = [n for n in self.graph.nodes if n.op == "placeholder" and not is_tangent(n)]
+        source = {v: k for k, v in env.items() if k.op == "placeholder"}
+        for j in layers.copies:
+            source.update({v: (k, j) for k, v in copy_env[j].items() if k.op == "placeholder"})
+        for p in written:
+            src = source[p]
+            if isinstance(src, tuple):
+                g = grad_of[src[0]]
+                if g is not None and layers.member.get(g) != 2:
+                    raise _NotCopies(f"the gradient of {src[0].name} is not made in its layer")
+                new_outputs.append(None if g is None else copy_env[src[1]][g])
+            else:
+                g = grad_of[src]
+                new_outputs.append(None if g is None else env[g])
+        self.graph.output(tuple(new_outputs))
+        return n_fwd, written
+
+
+def _model_inputs(written: list, prefix: str, model: torch.nn.Module) -> tuple[list, list]:
+    """:func:`stitch_joint`'s last phase: the written graph's inputs, checked to be the
+    model's parameters and buffers in the model's order; returns their names."""
     targets = [getattr(p.meta.get("desc"), "target", None) for p in written]
     kind = [type(p.meta.get("desc")).__name__ for p in written]
     params = [t for t, k in zip(targets, kind) if k == "ParamAOTInput"]
@@ -773,5 +949,5 @@ def stitch_joint(cut: ComputeGraph, model: torch.nn.Module, *, parent: str, coun
     want_params = [prefix + n for n, _ in model.named_parameters(remove_duplicate=False)]  # tied ones too
     want_buffers = [prefix + n for n, _ in model.named_buffers(remove_duplicate=False)]
     if params != want_params or buffers != want_buffers:
-        return _differ("the written graph's inputs are not the model's parameters in order")
-    return written_gm, Stitched(params_spec=params, buffers_spec=buffers, num_fwd_outputs=n_fwd, template=template)
+        raise _NotCopies("the written graph's inputs are not the model's parameters in order")
+    return params, buffers

@@ -66,17 +66,25 @@ class RewriteError(RematError):
     """A schedule that cannot be turned into runnable graphs."""
 
 
-def _rng_state(device: torch.device) -> torch.Tensor:
-    """A copy of the generator state of ``device``."""
+def rng_state(device: torch.device) -> torch.Tensor:
+    """A copy of the generator state of ``device``.
+
+    Examples
+    --------
+    >>> s = rng_state(torch.device("cpu")); a = torch.rand(2)
+    >>> _ = rng_swap(s, torch.device("cpu")); torch.equal(torch.rand(2), a)
+    True
+    """
     if device.type == "cuda":
         return torch.cuda.get_rng_state(device)
     return torch.get_rng_state()
 
 
 @fx.node.has_side_effect
-def _rng_swap(state: torch.Tensor, device: torch.device) -> torch.Tensor:
-    """Set the generator of ``device`` to ``state``; return the state it had."""
-    prev = _rng_state(device)
+def rng_swap(state: torch.Tensor, device: torch.device) -> torch.Tensor:
+    """Set the generator of ``device`` to ``state``; return the state it had
+    (:func:`rng_state` shows both)."""
+    prev = rng_state(device)
     if device.type == "cuda":
         torch.cuda.set_rng_state(state, device)
     else:
@@ -86,9 +94,9 @@ def _rng_swap(state: torch.Tensor, device: torch.device) -> torch.Tensor:
 
 @fx.node.has_side_effect
 def _rng_restore(prev: torch.Tensor, device: torch.device, after: object = None) -> None:
-    """Put back the generator state that :func:`_rng_swap` returned (``after``: the op's
+    """Put back the generator state that :func:`rng_swap` returned (``after``: the op's
     result, so that the restore follows the draw)."""
-    _rng_swap(prev, device)
+    rng_swap(prev, device)
 
 
 @fx.node.has_side_effect
@@ -107,7 +115,7 @@ def rng_state_bytes(device: torch.device | str = "cpu") -> int:
     True
     """
     device = torch.device(device)
-    return int(_rng_state(device).numel())
+    return int(rng_state(device).numel())
 
 
 _RNG_KEY = "rng:"  # env key of the generator state kept for a random op
@@ -385,185 +393,231 @@ def schedule_graphs(
     """:func:`partition_by_schedule`'s forward and backward as bare ``fx.Graph`` objects,
     without their Python code: what an ``fx.Interpreter`` runs
     (``Interpreter(joint, graph=forward)``) needs no more."""
-    nodes = {n.name: n for n in joint.graph.nodes}
-    placeholders = [n for n in joint.graph.nodes if n.op == "placeholder"]
-    primals = [n for n in placeholders if not is_tangent(n)]
-    tangents = [n for n in placeholders if is_tangent(n)]
-    out_node = next(n for n in reversed(joint.graph.nodes) if n.op == "output")
-    outputs = list(out_node.args[0])
-    fwd_outs, grads = outputs[:num_fwd_outputs], outputs[num_fwd_outputs:]
+    writer = _ScheduleWriter(joint, sequence, num_fwd_outputs=num_fwd_outputs, offloads=offloads)
+    writer.write_forward()
+    writer.write_backward()
+    return writer.finish()
 
-    seq = [str(s) for s in sequence]
-    unknown = [s for s in seq if s not in nodes]
-    if unknown:
-        raise RewriteError(f"the schedule names {unknown[0]!r}, which is not a node of the joint graph")
 
-    # the forward segment ends at the last step that the forward outputs need
-    needed_fwd = _ancestors([o for o in fwd_outs if isinstance(o, fx.Node)])
-    first_pos: dict[str, int] = {}
-    for i, s in enumerate(seq):
-        first_pos.setdefault(s, i)
-    split = -1
-    for name in needed_fwd:
-        if nodes[name].op == "call_function" and name in first_pos:
-            split = max(split, first_pos[name])
-    # ... or before the first output gradient, when the schedule says where they arrive:
-    # the forward graph then runs every step before it, as the schedule counts them
-    arrival = next((i for i, s in enumerate(seq) if nodes[s].op == "placeholder"), None)
-    if arrival is not None:
-        split = max(split, arrival - 1)
-    fwd_steps, bwd_steps = seq[: split + 1], seq[split + 1 :]
-    scheduled = set(seq)
+class _ScheduleWriter:
+    """Writes :func:`schedule_graphs`'s two graphs: the schedule's steps read off the
+    joint graph and cut where the forward ends (:meth:`__init__`), the forward's steps
+    (:meth:`write_forward`), the backward's, whose values saved by the forward become
+    its inputs on first read (:meth:`write_backward`), then both graphs' outputs
+    (:meth:`finish`)."""
 
-    # ---- forward graph
-    fg = fx.Graph()
-    fenv: dict[str, fx.Node] = {}
-    for p in primals:
-        fenv[p.name] = _copy_placeholder(fg, p)
-    away: set[str] = set()  # offloaded values not back yet
+    def __init__(self, joint: fx.GraphModule, sequence: Sequence[Hashable], *, num_fwd_outputs: int,
+                 offloads: Sequence[Transfer]) -> None:
+        self.nodes = nodes = {n.name: n for n in joint.graph.nodes}
+        self.placeholders = [n for n in joint.graph.nodes if n.op == "placeholder"]
+        self.primals = [n for n in self.placeholders if not is_tangent(n)]
+        self.tangents = [n for n in self.placeholders if is_tangent(n)]
+        out_node = next(n for n in reversed(joint.graph.nodes) if n.op == "output")
+        outputs = list(out_node.args[0])
+        self.fwd_outs, self.grads = outputs[:num_fwd_outputs], outputs[num_fwd_outputs:]
 
-    def resolve_forward(u: fx.Node) -> fx.Node:
-        _not_away(u, away, fenv)
-        if u.op == "call_function" and (u.name not in scheduled or _is_view(u)):
-            return _emit(fg, u, fenv, scheduled, resolve_forward)
-        raise RewriteError(f"forward reads {u.name!r} before the schedule computes it")
+        self.seq = seq = [str(s) for s in sequence]
+        unknown = [s for s in seq if s not in nodes]
+        if unknown:
+            raise RewriteError(f"the schedule names {unknown[0]!r}, which is not a node of the joint graph")
+        split = self._split()
+        self.fwd_steps, self.bwd_steps = seq[: split + 1], seq[split + 1 :]
+        self.scheduled = set(seq)
 
-    run_of = _runs(seq, nodes, scheduled)
-    drawer = [_drawing_op(nodes[s]) for s in seq]
-    runs: dict[str, int] = {}
-    for i, d in enumerate(drawer):
-        if d is not None and not run_of[i]:
-            runs[d.name] = runs.get(d.name, 0) + 1
-    replayed = {d for d, c in runs.items() if c > 1}
-    runs_so_far: dict[str, int] = {}
+        self.fg = fx.Graph()
+        self.fenv: dict[str, fx.Node] = {}
+        for p in self.primals:
+            self.fenv[p.name] = _copy_placeholder(self.fg, p)
+        self.away: set[str] = set()  # offloaded values not back yet
 
-    def run_step(g: fx.Graph, env: dict, i: int, s: str, resolve, saved_state) -> None:
-        node = nodes[s]
-        _start_run(node, env, run_of[i], scheduled)
-        op = drawer[i]
-        if op is None or op.name not in replayed or run_of[i]:
-            new = _emit(g, node, env, scheduled, resolve)
+        # random ops that run more than once replay the draws of their first run
+        self.run_of = _runs(seq, nodes, self.scheduled)
+        self.drawer = [_drawing_op(nodes[s]) for s in seq]
+        runs: dict[str, int] = {}
+        for i, d in enumerate(self.drawer):
+            if d is not None and not self.run_of[i]:
+                runs[d.name] = runs.get(d.name, 0) + 1
+        self.replayed = {d for d, c in runs.items() if c > 1}
+        self.runs_so_far: dict[str, int] = {}
+
+        self.events = _transfer_events(offloads, nodes, self.fwd_outs, len(seq))
+        self.pending: dict[tuple, fx.Node] = {}
+
+        # the backward graph: its inputs are the tangents, and the saved values before them
+        self.bg = fx.Graph()
+        self.benv: dict[str, fx.Node] = {}
+        self.saved: list[str] = []
+        self.saved_ph: dict[str, fx.Node] = {}
+        for t in self.tangents:
+            self.benv[t.name] = _copy_placeholder(self.bg, t)
+        self.first_tangent = next(iter(self.bg.nodes), None)
+
+    def _split(self) -> int:
+        """The last step of the forward segment: the last step that the forward outputs
+        need, or the step before the first output gradient, when the schedule says where
+        they arrive (the forward graph then runs every step before it, as the schedule
+        counts them)."""
+        nodes, seq = self.nodes, self.seq
+        needed_fwd = _ancestors([o for o in self.fwd_outs if isinstance(o, fx.Node)])
+        first_pos: dict[str, int] = {}
+        for i, s in enumerate(seq):
+            first_pos.setdefault(s, i)
+        split = -1
+        for name in needed_fwd:
+            if nodes[name].op == "call_function" and name in first_pos:
+                split = max(split, first_pos[name])
+        arrival = next((i for i, s in enumerate(seq) if nodes[s].op == "placeholder"), None)
+        if arrival is not None:
+            split = max(split, arrival - 1)
+        return split
+
+    def run_step(self, g: fx.Graph, env: dict, i: int, s: str, resolve, saved_state) -> None:
+        """Write step ``i`` (node ``s``) into ``g``; a replayed random op draws from the
+        generator state of its first run."""
+        node = self.nodes[s]
+        _start_run(node, env, self.run_of[i], self.scheduled)
+        op = self.drawer[i]
+        if op is None or op.name not in self.replayed or self.run_of[i]:
+            new = _emit(g, node, env, self.scheduled, resolve)
         else:  # the same draws every run: keep the generator state of the first, replay it
             s = op.name
             key, dev = _RNG_KEY + s, _draw_device(op)
-            if not runs_so_far.get(s):
-                env[key] = g.call_function(_rng_state, (dev,))
-                env[key].meta["val"] = fake_value(_rng_state(dev), like=placeholders)
-                new = _emit(g, node, env, scheduled, resolve)
+            if not self.runs_so_far.get(s):
+                env[key] = g.call_function(rng_state, (dev,))
+                env[key].meta["val"] = fake_value(rng_state(dev), like=self.placeholders)
+                new = _emit(g, node, env, self.scheduled, resolve)
                 # the first run draws even where a later run's copy is the one read:
                 # without it, every later draw of the step would come from another state
                 g.call_function(_drawn, (new,))
             else:
-                prev = g.call_function(_rng_swap, (env[key] if key in env else saved_state(key), dev))
-                new = _emit(g, node, env, scheduled, resolve)
+                prev = g.call_function(rng_swap, (env[key] if key in env else saved_state(key), dev))
+                new = _emit(g, node, env, self.scheduled, resolve)
                 g.call_function(_rng_restore, (prev, dev, new))
-            runs_so_far[s] = runs_so_far.get(s, 0) + 1
+            self.runs_so_far[s] = self.runs_so_far.get(s, 0) + 1
         new.meta["remat_step"] = i
 
+    def fire(self, g: fx.Graph, env: dict, slot: int, resolve, saved_state) -> None:
+        """Write the transfers of ``slot`` into ``g``."""
+        for kind, k, tr in self.events.get(slot, ()):
+            _fire(g, env, kind, k, tr, nodes=self.nodes, scheduled=self.scheduled, pending=self.pending,
+                  away=self.away, resolve=resolve, saved_state=saved_state, like=self.placeholders)
+
+    # ---- forward graph
+    def resolve_forward(self, u: fx.Node) -> fx.Node:
+        """An input of a forward step that no step made: a view or an unscheduled op,
+        written where it is read."""
+        _not_away(u, self.away, self.fenv)
+        if u.op == "call_function" and (u.name not in self.scheduled or is_view(u)):
+            return _emit(self.fg, u, self.fenv, self.scheduled, self.resolve_forward)
+        raise RewriteError(f"forward reads {u.name!r} before the schedule computes it")
+
+    @staticmethod
     def no_saved_state(key: str) -> fx.Node:
+        """The forward has no earlier graph to take a generator state from."""
         raise RewriteError(f"{key[len(_RNG_KEY):]!r} runs again before it first ran")
 
-    events = _transfer_events(offloads, nodes, fwd_outs, len(seq))
-    pending: dict[tuple, fx.Node] = {}
-
-    def fire(g: fx.Graph, env: dict, slot: int, resolve, saved_state) -> None:
-        for kind, k, tr in events.get(slot, ()):
-            _fire(g, env, kind, k, tr, nodes=nodes, scheduled=scheduled, pending=pending, away=away,
-                  resolve=resolve, saved_state=saved_state, like=placeholders)
-
-    for i, s in enumerate(fwd_steps):
-        if nodes[s].op == "placeholder":
-            raise RewriteError(f"the schedule runs {s!r} (an input of backward) before the forward outputs")
-        fire(fg, fenv, 2 * i, resolve_forward, no_saved_state)
-        run_step(fg, fenv, i, s, resolve_forward, no_saved_state)
-        fire(fg, fenv, 2 * i + 1, resolve_forward, no_saved_state)
-    for o in fwd_outs:
-        if isinstance(o, fx.Node) and o.name not in fenv:
-            resolve_forward(o)
+    def write_forward(self) -> None:
+        """The forward's steps and transfers, then what its outputs still need."""
+        fg, fenv = self.fg, self.fenv
+        for i, s in enumerate(self.fwd_steps):
+            if self.nodes[s].op == "placeholder":
+                raise RewriteError(f"the schedule runs {s!r} (an input of backward) before the forward outputs")
+            self.fire(fg, fenv, 2 * i, self.resolve_forward, self.no_saved_state)
+            self.run_step(fg, fenv, i, s, self.resolve_forward, self.no_saved_state)
+            self.fire(fg, fenv, 2 * i + 1, self.resolve_forward, self.no_saved_state)
+        for o in self.fwd_outs:
+            if isinstance(o, fx.Node) and o.name not in fenv:
+                self.resolve_forward(o)
 
     # ---- backward graph: saved values become placeholders (before the tangents) on first read
-    bg = fx.Graph()
-    benv: dict[str, fx.Node] = {}
-    saved: list[str] = []
-    saved_ph: dict[str, fx.Node] = {}
-    for t in tangents:
-        benv[t.name] = _copy_placeholder(bg, t)
-    first_tangent = next(iter(bg.nodes), None)
-
-    def from_forward(u: fx.Node | str) -> fx.Node:
+    def from_forward(self, u: fx.Node | str) -> fx.Node:
+        """A value of the forward read in backward: saved, an input of the backward."""
         name = u if isinstance(u, str) else u.name
-        if name not in fenv:
+        if name not in self.fenv:
             raise RewriteError(f"backward reads {name!r} before the schedule computes it")
-        saved.append(name)
-        if first_tangent is not None:
-            with bg.inserting_before(first_tangent):
-                ph = bg.placeholder(_placeholder_name(name))
+        self.saved.append(name)
+        if self.first_tangent is not None:
+            with self.bg.inserting_before(self.first_tangent):
+                ph = self.bg.placeholder(_placeholder_name(name))
         else:
-            ph = bg.placeholder(_placeholder_name(name))
-        ph.meta = dict(fenv[name].meta)
-        benv[name] = ph
-        saved_ph[name] = ph
+            ph = self.bg.placeholder(_placeholder_name(name))
+        ph.meta = dict(self.fenv[name].meta)
+        self.benv[name] = ph
+        self.saved_ph[name] = ph
         return ph
 
-    def resolve_backward(u: fx.Node) -> fx.Node:
-        _not_away(u, away, benv)
+    def resolve_backward(self, u: fx.Node) -> fx.Node:
+        """An input of a backward step that no backward step made: written here where it
+        may be, saved by the forward otherwise."""
+        bg, benv, fenv, scheduled = self.bg, self.benv, self.fenv, self.scheduled
+        _not_away(u, self.away, benv)
         if u.op == "call_function" and u.name not in scheduled:
             if _is_multi_output(u) or all(w.name in benv for w in u.all_input_nodes) or u.name not in fenv:
-                return _emit(bg, u, benv, scheduled, resolve_backward)
-        if _is_view(u) and _derivable(u, benv):
-            return _emit(bg, u, benv, scheduled, resolve_backward)
+                return _emit(bg, u, benv, scheduled, self.resolve_backward)
+        if is_view(u) and _derivable(u, benv):
+            return _emit(bg, u, benv, scheduled, self.resolve_backward)
         if u.name in fenv:
-            return from_forward(u)
-        if _is_view(u) and _derivable(u, fenv.keys() | benv.keys()):
+            return self.from_forward(u)
+        if is_view(u) and _derivable(u, fenv.keys() | benv.keys()):
             # the forward dropped its copy when its base ran again there: the view is
             # derived here from the base's latest copy (the same storage's bytes)
-            return _emit(bg, u, benv, scheduled, resolve_backward)
+            return _emit(bg, u, benv, scheduled, self.resolve_backward)
         raise RewriteError(f"backward reads {u.name!r} before the schedule computes it")
 
-    for i, s in enumerate(bwd_steps, start=len(fwd_steps)):
-        fire(bg, benv, 2 * i, resolve_backward, from_forward)
-        if nodes[s].op != "placeholder":  # (a tangent is an input of the backward graph)
-            run_step(bg, benv, i, s, resolve_backward, from_forward)
-        fire(bg, benv, 2 * i + 1, resolve_backward, from_forward)
-    fire(bg, benv, 2 * len(seq), resolve_backward, from_forward)
-    if pending:
-        raise RewriteError(f"the offload of {next(iter(pending.values())).name!r} never completes")
-    grad_out = []
-    for g in grads:
-        if isinstance(g, fx.Node):
-            grad_out.append(benv[g.name] if g.name in benv else resolve_backward(g))
-        else:
-            grad_out.append(g)
-    bg.output(tuple(grad_out))
-    # A value saved for an op that turns out dead (a ``detach`` nobody reads) would stay
-    # alive, unread, through the whole backward: it is not saved at all.
-    bg.eliminate_dead_code(is_impure_node=_kept_unread)
-    for name in list(saved):
-        if not saved_ph[name].users:
-            bg.erase_node(saved_ph[name])
-            saved.remove(name)
+    def write_backward(self) -> None:
+        """The backward's steps and transfers; every offload must have completed."""
+        bg, benv = self.bg, self.benv
+        for i, s in enumerate(self.bwd_steps, start=len(self.fwd_steps)):
+            self.fire(bg, benv, 2 * i, self.resolve_backward, self.from_forward)
+            if self.nodes[s].op != "placeholder":  # (a tangent is an input of the backward graph)
+                self.run_step(bg, benv, i, s, self.resolve_backward, self.from_forward)
+            self.fire(bg, benv, 2 * i + 1, self.resolve_backward, self.from_forward)
+        self.fire(bg, benv, 2 * len(self.seq), self.resolve_backward, self.from_forward)
+        if self.pending:
+            raise RewriteError(f"the offload of {next(iter(self.pending.values())).name!r} never completes")
 
-    # A buffer that the step mutates (BatchNorm running statistics) is written back
-    # after the forward, which would invalidate a saved reference: save a copy of
-    # buffers instead (they are small).
-    saved_out = []
-    for name in saved:
-        value = fenv[name]
-        if name in nodes and nodes[name].op == "placeholder" and type(nodes[name].meta.get("desc")).__name__ == "BufferAOTInput":
-            value = fg.call_function(torch.ops.aten.clone.default, (value,))
-            value.meta = dict(nodes[name].meta)
-        saved_out.append(value)
-    fg.output(tuple([fenv[o.name] if isinstance(o, fx.Node) else o for o in fwd_outs] + saved_out))
-    # A placeholder whose name was taken by an earlier node is renamed, and fx's code then
-    # rebinds ``name = target`` at the top of the function; such rebinds can chain
-    # (``add_10 = add_9; add_11 = add_10``) and hand a value to the wrong input. Every
-    # placeholder takes its own unique name as its argument name.
-    for g in (fg, bg):
-        for n in g.nodes:
-            if n.op == "placeholder":
-                n.target = n.name
-    fg.eliminate_dead_code(is_impure_node=_kept_unread)  # (erasing unread placeholders left none in backward)
-    return fg, bg, saved
+    # ---- outputs
+    def finish(self) -> tuple[fx.Graph, fx.Graph, list[str]]:
+        """Both graphs' outputs: the backward's gradients, the forward's outputs and the
+        values it saves; what is saved for nothing is dropped."""
+        fg, bg, fenv, benv, nodes, saved = self.fg, self.bg, self.fenv, self.benv, self.nodes, self.saved
+        grad_out = []
+        for g in self.grads:
+            if isinstance(g, fx.Node):
+                grad_out.append(benv[g.name] if g.name in benv else self.resolve_backward(g))
+            else:
+                grad_out.append(g)
+        bg.output(tuple(grad_out))
+        # A value saved for an op that turns out dead (a ``detach`` nobody reads) would stay
+        # alive, unread, through the whole backward: it is not saved at all.
+        bg.eliminate_dead_code(is_impure_node=_kept_unread)
+        for name in list(saved):
+            if not self.saved_ph[name].users:
+                bg.erase_node(self.saved_ph[name])
+                saved.remove(name)
+
+        # A buffer that the step mutates (BatchNorm running statistics) is written back
+        # after the forward, which would invalidate a saved reference: save a copy of
+        # buffers instead (they are small).
+        saved_out = []
+        for name in saved:
+            value = fenv[name]
+            if (name in nodes and nodes[name].op == "placeholder"
+                    and type(nodes[name].meta.get("desc")).__name__ == "BufferAOTInput"):
+                value = fg.call_function(torch.ops.aten.clone.default, (value,))
+                value.meta = dict(nodes[name].meta)
+            saved_out.append(value)
+        fg.output(tuple([fenv[o.name] if isinstance(o, fx.Node) else o for o in self.fwd_outs] + saved_out))
+        # A placeholder whose name was taken by an earlier node is renamed, and fx's code then
+        # rebinds ``name = target`` at the top of the function; such rebinds can chain
+        # (``add_10 = add_9; add_11 = add_10``) and hand a value to the wrong input. Every
+        # placeholder takes its own unique name as its argument name.
+        for g in (fg, bg):
+            for n in g.nodes:
+                if n.op == "placeholder":
+                    n.target = n.name
+        fg.eliminate_dead_code(is_impure_node=_kept_unread)  # (erasing unread placeholders left none in backward)
+        return fg, bg, saved
 
 
 def _kept_unread(node: fx.Node) -> bool:
@@ -649,8 +703,8 @@ def _forget_derived(node: fx.Node, env: dict[str, fx.Node], scheduled: set[str])
     stack = list(node.users)
     while stack:
         user = stack.pop()
-        if (_is_projection(user) and user.name not in scheduled) or _is_view(user):
-            if env.pop(user.name, None) is not None and _is_view(user):
+        if (_is_projection(user) and user.name not in scheduled) or is_view(user):
+            if env.pop(user.name, None) is not None and is_view(user):
                 stack.extend(user.users)
 
 
@@ -658,7 +712,7 @@ def _not_away(u: fx.Node, away: set[str], env: dict[str, fx.Node]) -> None:
     """Refuse to read ``u`` (or a view of it) while it is on the host (and not computed
     again here)."""
     base = u
-    while _is_view(base) and base.all_input_nodes:
+    while is_view(base) and base.all_input_nodes:
         base = base.all_input_nodes[0]
     if base.name in away and base.name not in env:
         raise RewriteError(f"an op reads {u.name!r} while {base.name!r} is on the host (between its offload "
@@ -747,18 +801,26 @@ def _host_value(val: object, like: Sequence[fx.Node]) -> object:
 def _derivable(node: fx.Node, env: dict[str, fx.Node]) -> bool:
     """Can a view be re-derived here from values this graph already has (through a chain
     of views)? Then it should be, rather than pinning an older copy of its base."""
-    return all(w.name in env or (_is_view(w) and _derivable(w, env)) for w in node.all_input_nodes)
+    return all(w.name in env or (is_view(w) and _derivable(w, env)) for w in node.all_input_nodes)
 
 
 # ops whose output shares its input's storage although their schema does not say so
 _UNDECLARED_VIEWS = ("_unsafe_view", "_reshape_alias", "alias")
 
 
-def _is_view(node: fx.Node) -> bool:
-    """An op whose output aliases an input (a view, ``detach``...): free to run again."""
+def is_view(node: fx.Node) -> bool:
+    """An op whose output aliases an input (a view, ``detach``...): free to run again.
+
+    Examples
+    --------
+    >>> g = fx.Graph(); x = g.placeholder("x")
+    >>> aten = torch.ops.aten
+    >>> is_view(g.call_function(aten.t.default, (x,))), is_view(g.call_function(aten.relu.default, (x,)))
+    (True, False)
+    """
     target = node.target
     if node.op == "call_function" and target is operator.getitem and isinstance(node.args[0], fx.Node):
-        return _is_view(node.args[0])  # a piece of split / unbind / chunk
+        return is_view(node.args[0])  # a piece of split / unbind / chunk
     if node.op != "call_function" or not is_op_overload(target):
         return False
     if target.overloadpacket.__name__ in _UNDECLARED_VIEWS:

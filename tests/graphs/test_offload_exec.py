@@ -21,7 +21,7 @@ from graphs.compute_graph import BACKWARD_START
 from graphs.graph_mode import ScheduledStep
 from graphs.loss import charge_loss
 from graphs.memory import AllocatorPeak
-from graphs.rewrite import RewriteError, _is_view, replay_random_ops, transfers
+from graphs.rewrite import RewriteError, is_view, replay_random_ops, transfers
 from solver import simulate, solve
 from solver.methods.offload import offload_windows
 from solver.schedule import Offload, Schedule
@@ -281,7 +281,7 @@ def _real_step_peak(fast, args, loss_fn):
 
 
 def _aliases(n):
-    return n.op == "call_function" and _is_view(n)
+    return n.op == "call_function" and is_view(n)
 
 
 @pytest.mark.slow
