@@ -24,7 +24,10 @@ __all__ = ["Budget", "BelowResident", "real_number"]
 
 class BelowResident(InfeasibleBudget):
     """The budget is below what every training step holds whatever its schedule
-    (:meth:`Budget.refuse_below`), found before any capture.
+    (:meth:`Budget.refuse_below`), found before any capture. That floor is a bound no
+    schedule goes below (``lower_bound_bytes``), not a peak a schedule reaches: the
+    step's activations come on top, so ``proven`` is False, and a budget of the floor
+    is refused again, after capture, naming the smallest feasible peak.
 
     Attributes
     ----------
@@ -36,6 +39,7 @@ class BelowResident(InfeasibleBudget):
         floor = sum(b for _, b in parts)
         super().__init__(budget_bytes, floor, lower_bound_bytes=floor)
         self.parts = tuple((str(name), int(b)) for name, b in parts)
+        self.proven = False
         held = ", ".join(f"{name} {format_bytes(b)}" for name, b in self.parts if b)
         self.args = (
             f"budget {format_bytes(self.budget_bytes)} ({self.budget_bytes} B) is infeasible: every training step "
