@@ -26,7 +26,6 @@ with FSDP2's ``fully_shard``; :mod:`graphs.distributed`).
 
 from __future__ import annotations
 
-import dataclasses
 import functools
 import math
 from typing import Any, Callable
@@ -419,17 +418,17 @@ def _read_options(model: nn.Module, budget_gb: Any, *, planned_now: bool, method
     opt_bytes = optimizer_state_bytes(optimizer, model)
     if dp is not None:
         dp.optimizer_bytes = opt_bytes
+    for name, value in (("dynamic", dynamic), ("offload", offload)):
+        if not isinstance(value, bool):
+            raise OptionError(f"{name} must be True or False, got {value!r}")
     request = Request(mode=mode, budget=budget.total_bytes, activation_budget=budget.activation_only, method=method,
                       time_limit=time_limit, compiler=compiler, self_check=self_check, blocks=blocks,
                       gap_tolerance=PLANNING_GAP_TOLERANCE if gap_tolerance is None else float(gap_tolerance),
                       measure_time=measure_time, optimizer_bytes=opt_bytes, dp=dp, loss_fn=loss_fn,
-                      watch=watch, mode_pinned=pinned)
-    for name, value in (("dynamic", dynamic), ("offload", offload)):
-        if not isinstance(value, bool):
-            raise OptionError(f"{name} must be True or False, got {value!r}")
+                      watch=watch, mode_pinned=pinned, offload=offload)
     if offload:
         _check_offload(request, pinned=pinned)
-    return budget, dataclasses.replace(request, offload=offload)
+    return budget, request
 
 
 def _resolve_mode(mode: Any) -> tuple[str, bool]:
