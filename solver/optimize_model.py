@@ -2,7 +2,10 @@
 
 This is the one place where the solvers meet torch, read top to bottom:
 
-1. read the options (:func:`_request`; data parallelism: :mod:`solver.data_parallel`);
+1. read and check every option (:func:`_read_options`; the budget as one
+   :class:`solver.budget.Budget`; data parallelism: :mod:`solver.data_parallel`), and
+   refuse a budget below what every step holds, before any capture
+   (:func:`refuse_below_resident`);
 2. wrap the model in the one lazy drop-in module (:func:`graphs.planned.wrap_planned`),
    whose planner (:func:`solver.planning.plan_step`) captures the step
    (:func:`graphs.capture`), charges what it holds besides its graph
@@ -23,10 +26,8 @@ with FSDP2's ``fully_shard``; :mod:`graphs.distributed`).
 
 from __future__ import annotations
 
-import dataclasses
 import functools
 import math
-import numbers
 from typing import Any, Callable
 
 import torch
@@ -34,7 +35,7 @@ from torch import nn
 
 from graphs.graph_mode import COMPILERS
 from graphs.planned import wrap_planned
-from graphs.units import GiB
+from solver.budget import Budget, real_number
 from solver.checks import PlanningInputs, Session, split_inputs
 from solver.data_parallel import data_parallel
 from solver.errors import OptionError
@@ -45,7 +46,11 @@ from solver.report import Report
 from solver.verification import SESSION, verify, verify_into
 from solver.watch import WATCH
 
-__all__ = ["optimize", "verify", "Report", "optimizer_state_bytes"]
+__all__ = ["optimize", "verify", "Report", "optimizer_state_bytes", "MODES"]
+
+#: what ``optimize(mode=...)`` accepts: ``"auto"`` plans in graph mode and falls back to
+#: module mode where graph mode cannot serve the model; the others pin their mode
+MODES = ("auto", "graph", "module")
 
 
 def optimize(
@@ -56,7 +61,7 @@ def optimize(
     method: str = "auto",
     time_limit: float | None = None,
     gap_tolerance: float | None = None,
-    mode: str | None = None,
+    mode: str | None = "auto",
     activation_budget: bool = False,
     optimizer: torch.optim.Optimizer | None = None,
     verify: bool = False,
@@ -75,168 +80,77 @@ def optimize(
 ) -> nn.Module:
     """Return a drop-in module whose training step fits ``budget_gb``.
 
+    Every option is described at length in ``docs/guide.md``.
+
     Parameters
     ----------
     model : torch.nn.Module
-        In training mode. Not changed: the returned module shares its parameters and
-        buffers (an optimizer built on ``model.parameters()`` keeps working) and has the
+        Not changed: the returned module shares its parameters and buffers and has the
         same class, ``state_dict`` keys, forward signature and outputs.
     budget_gb : float
         Peak device memory of one training step in GiB (2**30 bytes): parameters,
         buffers, inputs, gradients, saved activations and temporaries, plus optimizer
-        state when ``optimizer`` is given. With ``activation_budget=True`` it counts
-        only what the step adds beyond parameters, buffers, inputs, optimizer state and
-        gradients (activations and temporaries), for research. On real inputs in one
-        process, planning runs one step of the plan under the live-tensor tracker;
-        when it measures over the budget (an eager forward's temporaries, buffers a
-        compiled segment allocates inside it), the plan is made again with what the
-        step measured beyond its prediction held back (``report.checked_peak_bytes``).
+        state when ``optimizer`` is given (:class:`solver.budget.Budget`).
     example_inputs : tuple or dict, optional
-        Positional or keyword arguments of ``model``. Given: plan now (errors such as
-        an infeasible budget are raised here, and the model is left untouched).
-        Planning runs on copies of them: the user's tensors keep their values (a model
-        that writes into its input in place), ``.grad`` and version counters.
-        Omitted: plan lazily on the first training call, from the real batch, and again
-        whenever input shapes change (like ``torch.compile``).
+        Arguments of ``model``. Given: plan now, on copies of them (errors are raised
+        here, model and inputs untouched). Omitted: plan on the first training call.
     method : str
         A solver method (:func:`solver.methods`) or ``"auto"``; graph mode only.
     time_limit : float, optional
         Seconds for the solver.
     gap_tolerance : float, optional
-        ``method="auto"``: it stops searching once its schedule is proven within this
-        share of the least extra compute (``report.gap``). Default
-        :data:`solver.planning.PLANNING_GAP_TOLERANCE` (2 %), twice
-        :func:`solver.solve`'s 1 %: a plan's extra compute is predicted from op timings
-        whose error is larger than that (see the constant); 0 searches until it is
-        proven optimal or the search is spent.
-    mode : {None, "graph", "module"}
-        ``"graph"``: tensor level, exact (the forward keeps exactly the stored tensors,
-        backward recomputes the rest). ``"module"``: layer level, wrapping the model's
-        own blocks with non-reentrant ``torch.utils.checkpoint`` or selective
-        checkpointing (the form trainers, FSDP2 and HF models compose with).
-        ``None`` (default): graph mode, and module mode where graph mode cannot serve
-        the model (a report note says why): a submodule has forward or backward hooks
-        (a captured graph does not call submodules, so they would not fire), or no
-        graph-mode schedule passes the gradient self-check. ``"graph"`` pins graph mode:
-        those cases raise instead. Hooks on the model itself fire on every call in
-        both modes; hooks on submodules fire in module mode, and those inside a
-        checkpointed block fire again when backward recomputes it (as with
-        ``torch.utils.checkpoint``). A graph-mode module refuses a call
-        (:class:`graphs.planned.HookNotRun`) once a hook is added to a submodule.
+        ``method="auto"`` stops once proven within this share of the least extra compute
+        (default :data:`solver.planning.PLANNING_GAP_TOLERANCE`).
+    mode : {"auto", "graph", "module"}
+        ``"graph"``: tensor level, exact. ``"module"``: layer level, the model's own
+        blocks checkpointed (what trainers, FSDP2 and HF models compose with).
+        ``"auto"`` (default; ``None`` means the same): graph mode, and module mode with a
+        report note where graph mode cannot serve the model (submodule hooks, a failed
+        self-check); a pinned ``"graph"`` raises there instead.
     activation_budget : bool
-        Read ``budget_gb`` as an activation-only budget.
+        Read ``budget_gb`` as activations and temporaries only, for research.
     optimizer : torch.optim.Optimizer, optional
         Its state counts in the budget.
     verify : bool
-        Run one real training step (forward, loss, backward; gradients are restored
-        afterwards) under the memory tracker and add the measured peak and step time to
-        ``module.report``. Needs ``example_inputs``.
+        Measure one real step into ``module.report`` (needs ``example_inputs``).
     measure_time : bool, optional
-        Time every op on the real device for the cost model (default: when the inputs
-        are real tensors).
+        Time every op on the device (default: when the inputs are real tensors).
     blocks : list of str, optional
-        Module paths of the model's layer blocks, which module mode checkpoints and graph
-        mode's per-block floor cuts at (default: the repeated layers that
-        :func:`graphs.module_mode.layer_blocks` finds by structure, such as a
-        transformer's layers or a ResNet's residual blocks).
+        The layer blocks (default: :func:`graphs.module_mode.layer_blocks`).
     self_check : bool
-        Graph mode: before handing the rewrite out, run one step of it and one of the
-        original on the example batch and compare loss and gradients; a schedule that
-        fails is replaced by the next method (or an error is raised).
-    world_size : int, optional
-        Data-parallel ranks (default: the size of ``mesh``, else
-        ``torch.distributed.get_world_size()``). Needs ``sharding``.
-    mesh : DeviceMesh, optional
-        1-D data-parallel mesh (FSDP2's ``mesh``; DDP uses its process group).
-    sharding : {None, "ddp", "fsdp"}
-        ``None``: one process. ``"ddp"``: every rank holds all parameters, gradients
-        and optimizer state plus DDP's gradient buckets (one more copy of the
-        gradients, none with ``gradient_as_bucket_view=True``), charged as fixed
-        memory; graph and module mode; the module is returned wrapped in
-        ``DistributedDataParallel``. ``"fsdp"`` (module mode only): a rank holds
-        ``1/world_size`` of parameters, gradients and optimizer state, the whole
-        parameters of the units being computed (and the one prefetched) and the whole
-        gradients of the unit in backward (:func:`solver.distributed.rank_peak`); the
-        plan is searched on that per-rank peak, each layer block becomes a
-        ``fully_shard`` unit with its checkpoint inside, and ``model`` itself is
-        returned, sharded in place. Both need ``example_inputs`` (the rank's local
-        batch) and an initialized process group; the budget is per rank. Graph mode
-        under FSDP2 and offload under FSDP2 raise
-        :class:`graphs.distributed.DistributedPlanError` before anything is touched;
-        ``activation_budget`` is refused under FSDP2. Build the optimizer on the
-        returned module's parameters (under FSDP2 they are new ``DTensor``
-        parameters); an ``optimizer`` passed here only declares its state, sharded
-        under FSDP2. :func:`verify` is then collective (call it on every rank).
-    sharding_options : dict, optional
-        Keyword arguments of ``DistributedDataParallel`` or ``fully_shard``
-        (``gradient_as_bucket_view``, ``bucket_cap_mb``, ``mp_policy``, ...).
+        Graph mode: check the rewrite's loss and gradients against the original's.
+    world_size, mesh, sharding, sharding_options
+        Data parallelism, per rank (:mod:`solver.data_parallel`).
     compiler : {"eager", "inductor"}
-        Graph mode: how the scheduled forward and backward graphs run. ``"eager"``:
-        plain fx code. ``"inductor"``: compiled by torch inductor in segments, cut so
-        that inductor's fusion and reordering cannot take the step over the budget (a
-        segment is taken to hold all it allocates until it ends, and the measured step
-        of the plan checks what inductor allocates beyond that); random ops, and the
-        ops where a segment would not fit, run as plain fx code. Compiling takes
-        seconds to minutes on CPU and needs a C++ compiler there. Single process only.
+        Graph mode: the scheduled graphs as fx code or compiled by inductor in segments.
     loss_fn : callable, optional
-        The loss the training loop computes from the model's output, ``loss_fn(output)
-        -> scalar`` (bind the targets: ``lambda out: F.cross_entropy(out.flatten(0, 1),
-        targets.flatten())``). The plan then holds the loss's own memory (what it keeps
-        for its backward, the output's gradient), measured on the example batch; the
-        module is still called and the loss computed as before. Not needed when the
-        model returns its loss (an HF model given ``labels``). Without it, and when the
-        output is not a scalar, the report says the loss is outside the plan.
+        The loss computed outside the model, ``loss_fn(output) -> scalar``.
     watch : {"auto", "first", "every", "off"}
-        When the returned module measures its real training step by the allocator, from
-        its forward to the end of its backward, the loss included (one process):
-        ``"auto"`` and ``"first"``, the first step of each plan (on CPU by the
-        profiler's allocation events; on an accelerator by the allocator's own
-        counters, without a synchronization or a reset of the peak statistics);
-        ``"every"``, every step; ``"off"``, none. A step over the budget makes the next
-        call plan again with the excess held back, with a warning and a report note
-        (``report.step_peak_bytes``); the steps that are not measured run the plan alone.
+        Which real steps are measured by the allocator (:mod:`solver.watch`).
     dynamic : bool
-        One plan for a family of shapes, in the manner of ``torch.compile(dynamic=True)``
-        (:mod:`solver.families`): a call whose inputs differ from a planned call's only in
-        sizes (another sequence length or batch size), none larger, runs that plan's
-        decisions: module mode and a plan that runs the original forward as they are,
-        graph mode on the step captured again at the new sizes (nothing timed or
-        solved). A call larger in some dimension than every planned call is planned
-        once for its bucket: the dimensions that grew rounded up to a power of two, on
-        the call's values repeated to those sizes. The first real step at each new size
-        is measured by the allocator (``watch``) and planned again for its own sizes
-        when it is over the budget. ``False``: a plan per input signature.
+        One plan for calls that differ only in sizes (:mod:`solver.families`).
     offload : bool
-        Graph mode with ``method="auto"``: values may also go to host memory and back
-        where that is cheaper than recomputing them, at the host link's bandwidth as a
-        few copies measure it (:mod:`solver.offloading`); a report note gives the bytes
-        offloaded, the link time and how much of it hides behind compute. On CPU the
-        host is emulated outside the allocator (:mod:`graphs.host_pool`).
+        Graph mode, ``method="auto"``: values may go to host memory and back.
 
     Returns
     -------
     torch.nn.Module
         With ``.report`` (a :class:`Report`) once planned. In ``eval()`` or under
-        ``torch.no_grad()`` it runs the original forward: no recomputation.
+        ``torch.no_grad()`` it runs the original forward.
 
     Raises
     ------
     OptionError
-        Before any work: an option of the wrong type or out of its range (``budget_gb``
-        not a positive number, a bool included; ``time_limit`` not a positive number of
-        seconds; ``blocks`` naming no submodule; an unknown ``method``, or one given with
-        ``mode="module"``; ``optimizer`` not an optimizer), a module returned by
-        ``optimize`` already, or a ``torch.compile``'d module (pass the uncompiled model
-        and compile the module returned).
+        Before any work: an option of the wrong type or out of its range, a module
+        returned by ``optimize`` already, or a ``torch.compile``'d module.
     InfeasibleBudget
-        The budget is below the smallest feasible peak; the message names that peak.
+        The budget is below the smallest feasible peak, which the message names; below
+        what every step holds whatever its schedule, before any capture
+        (:func:`refuse_below_resident`).
     CaptureError
-        Graph mode cannot capture the model; the message names the op or line and
-        suggests ``mode="module"``.
+        Graph mode cannot capture the model; the message suggests ``mode="module"``.
     DistributedPlanError
-        An unsupported ``(sharding, mode)`` pair (supported:
-        :data:`graphs.distributed.SUPPORTED`), offload under FSDP2, or a world size
-        that contradicts the mesh or the process group.
+        An unsupported ``(sharding, mode)`` pair or world size, or offload under FSDP2.
 
     Examples
     --------
@@ -247,46 +161,36 @@ def optimize(
     True
     >>> torch.equal(fast(x), net(x))
     True
-
-    Data parallel (run on every rank, after ``init_process_group``; the batch is the
-    rank's own)::
-
-        model = optimize(model, 20.0, local_batch, mode="module", sharding="fsdp")
-        opt = torch.optim.AdamW(model.parameters())
     """
-    pinned = mode is not None  # None: graph mode, falling back to module mode
-    mode = "graph" if mode is None else mode
-    if mode not in ("graph", "module"):
-        raise OptionError(f"mode must be None, 'graph' or 'module', got {mode!r}")
-    _check_model(model)
-    _check_options(model, budget_gb=budget_gb, mode=mode, pinned=pinned, method=method, time_limit=time_limit,
-                   gap_tolerance=gap_tolerance, optimizer=optimizer, blocks=blocks, verify=verify,
-                   planned_now=example_inputs is not None)
+    budget, request = _read_options(
+        model, budget_gb, planned_now=example_inputs is not None, method=method, time_limit=time_limit,
+        gap_tolerance=gap_tolerance, mode=mode, activation_budget=activation_budget, optimizer=optimizer,
+        verify=verify, measure_time=measure_time, blocks=blocks, self_check=self_check, world_size=world_size,
+        mesh=mesh, sharding=sharding, sharding_options=sharding_options, compiler=compiler, loss_fn=loss_fn,
+        watch=watch, dynamic=dynamic, offload=offload)
+    _refuse_below_floor(model, budget, example_inputs, request=request)
+    wrapper, session = _wrap(model, example_inputs, request=request, dynamic=dynamic)
+    if verify:
+        _verify_now(wrapper, example_inputs, session=session, original=None if request.dp else model)
+    return wrapper
 
-    request = _request(model, budget_gb, mode=mode, method=method, time_limit=time_limit,
-                       gap_tolerance=gap_tolerance, compiler=compiler, activation_budget=activation_budget,
-                       optimizer=optimizer, self_check=self_check, blocks=blocks, measure_time=measure_time, world_size=world_size, mesh=mesh,
-                       sharding=sharding, sharding_options=sharding_options, planned_now=example_inputs is not None,
-                       loss_fn=loss_fn, watch=watch)
-    for name, value in (("dynamic", dynamic), ("offload", offload)):
-        if not isinstance(value, bool):
-            raise OptionError(f"{name} must be True or False, got {value!r}")
-    if offload:
-        _check_offload(request, pinned=pinned)
-    request = dataclasses.replace(request, mode_pinned=pinned, offload=offload)
+
+def _wrap(model: nn.Module, example_inputs: Any, *, request: Request, dynamic: bool) -> tuple[nn.Module, Session]:
+    """The drop-in module with its planning session: planned now on ``example_inputs``
+    when given (and, with data parallelism, wrapped for this rank), else lazily."""
     resizer = functools.partial(resize_step, request=request) if dynamic else None
-    session = Session(loss_fn=loss_fn)
+    session = Session(loss_fn=request.loss_fn)
     planner = functools.partial(plan_step, request=request, session=session)
 
     def copy_planner(copy: nn.Module) -> Any:  # a deep copy plans again, into its own report
-        own = Session(modules=[copy], loss_fn=loss_fn)
+        own = Session(modules=[copy], loss_fn=request.loss_fn)
         copy.report = None
         copy.__dict__[SESSION] = own
         return functools.partial(plan_step, request=request, session=own)
 
     if request.dp is not None:  # planned now, on this rank's batch, then wrapped for the rank
         args, kwargs = split_inputs(example_inputs)
-        wrapper = request.dp.plan_and_wrap(model, planner=planner, args=args, kwargs=kwargs, blocks=blocks,
+        wrapper = request.dp.plan_and_wrap(model, planner=planner, args=args, kwargs=kwargs, blocks=request.blocks,
                                            session=session, copy_planner=copy_planner)
     else:
         wrapper = wrap_planned(model, planner, copy_planner=copy_planner, resizer=resizer)
@@ -295,22 +199,35 @@ def optimize(
         if example_inputs is not None:
             wrapper.remat_plan_now(*split_inputs(example_inputs))
     wrapper.__dict__[SESSION] = session
-    if verify:  # on copies of the inputs, as planning: the user's are not written
-        copies = PlanningInputs(*split_inputs(example_inputs))
-        try:
-            verify_into(wrapper, copies.kwargs if isinstance(example_inputs, dict) else copies.args,
-                        session=session, original=None if request.dp else model)
-        finally:
-            copies.release()
-    return wrapper
+    return wrapper, session
+
+
+def _verify_now(wrapper: nn.Module, example_inputs: Any, *, session: Session, original: nn.Module | None) -> None:
+    """One real step of ``wrapper`` measured into its report, on copies of the inputs
+    (as planning: the user's are not written)."""
+    copies = PlanningInputs(*split_inputs(example_inputs))
+    try:
+        verify_into(wrapper, copies.kwargs if isinstance(example_inputs, dict) else copies.args,
+                    session=session, original=original)
+    finally:
+        copies.release()
+
+
+def _refuse_below_floor(model: nn.Module, budget: Budget, example_inputs: Any, *, request: Request) -> None:
+    """Refuse, before any capture, a budget below what every step holds
+    (:func:`refuse_below_resident`). Under FSDP2 a rank holds a shard of the
+    parameters, not the model's: nothing is refused here."""
+    if request.dp is not None and request.dp.sharding == "fsdp":
+        return
+    refuse_below_resident(model, budget, example_inputs, optimizer_bytes=request.optimizer_bytes)
 
 
 def resident_floor(model: nn.Module, example_inputs: Any = None, *, optimizer_bytes: int = 0) -> tuple[int, str]:
     """Bytes that every training step of ``model`` holds at its end, whatever its
     schedule, and what they are: each parameter and buffer (each storage once), the
     optimizer state, the example inputs, and a gradient for each trainable parameter
-    that a forward on the example inputs reads (one run without gradients; none
-    counted without example inputs, or where that run fails).
+    that a forward on the example inputs reads (one run without gradients, on copies of
+    the inputs; none counted without example inputs, or where that run fails).
 
     Examples
     --------
@@ -318,46 +235,82 @@ def resident_floor(model: nn.Module, example_inputs: Any = None, *, optimizer_by
     >>> resident_floor(net, (torch.randn(4, 256),))[0] == 2 * (256 * 256 + 256) * 4 + 4 * 256 * 4
     True
     """
-    from graphs.planned import parameters_read
+    parts = _resident_parts(model, example_inputs, optimizer_bytes=optimizer_bytes)
+    parts += _gradient_part(model, example_inputs)
+    names = [name for name, _ in parts]
+    return sum(b for _, b in parts), ", ".join(names[:-1]) + " and " + names[-1] if len(names) > 1 else names[0]
+
+
+def refuse_below_resident(model: nn.Module, budget: int | Budget, example_inputs: Any = None, *,
+                          optimizer_bytes: int = 0) -> None:
+    """Raise :class:`solver.budget.BelowResident` (an :class:`solver.InfeasibleBudget`)
+    before any capture when ``budget`` (bytes, or a :class:`Budget`) is below
+    :func:`resident_floor`, naming that figure and its parts (no schedule goes below
+    it). An activation-only budget is never refused here. The forward that finds which
+    parameters get a gradient runs only where that decides the answer.
+
+    Examples
+    --------
+    >>> net = nn.Linear(256, 256)
+    >>> refuse_below_resident(net, 1 << 20, (torch.randn(4, 256),))
+    >>> refuse_below_resident(net, 400 << 10, (torch.randn(4, 256),))  # doctest: +ELLIPSIS
+    Traceback (most recent call last):
+    ...
+    solver.budget.BelowResident: budget 400.0 KiB (409600 B) is infeasible: every training step holds 518.0 KiB ...
+    """
+    budget = budget if isinstance(budget, Budget) else Budget(int(budget))
+    if budget.activation_only:
+        return
+    parts = _resident_parts(model, example_inputs, optimizer_bytes=optimizer_bytes)
+    budget.refuse_below(parts)  # nothing has run
+    trainable = _nbytes([p for p in model.parameters() if p.requires_grad], set())
+    if budget.available_bytes < sum(b for _, b in parts) + trainable:
+        budget.refuse_below(parts + _gradient_part(model, example_inputs))
+
+
+def _resident_parts(model: nn.Module, example_inputs: Any, *, optimizer_bytes: int) -> list[tuple[str, int]]:
+    """What every step holds besides the gradients, by part: parameters and buffers,
+    optimizer state, inputs (each storage once)."""
     from graphs.torch_internals import tree_leaves
 
-    def nbytes(tensors: Any) -> int:
-        seen, total = set(), 0
-        for t in tensors:
-            key = id(t) if t.device.type == "meta" or type(t).__name__ == "FakeTensor" else t.untyped_storage().data_ptr()
-            if key not in seen:
-                seen.add(key)
-                total += t.numel() * t.element_size()
-        return total
-
-    held = nbytes(list(model.parameters()) + list(model.buffers()))
-    what = ["parameters and buffers"]
+    seen: set = set()
+    parts = [("parameters and buffers", _nbytes(list(model.parameters()) + list(model.buffers()), seen))]
     if optimizer_bytes:
-        held += optimizer_bytes
-        what.append("optimizer state")
-    read = None
+        parts.append(("optimizer state", int(optimizer_bytes)))
     if example_inputs is not None:
-        args, kwargs = split_inputs(example_inputs)
-        held += nbytes([t for t in tree_leaves((args, kwargs)) if isinstance(t, torch.Tensor)])
-        what.append("inputs")
-        read = parameters_read(model, args, kwargs)
-    if read:
-        held += nbytes([p for n, p in model.named_parameters() if p.requires_grad and n in read])
-        what.append("the gradients of the parameters the forward reads")
-    return held, ", ".join(what[:-1]) + " and " + what[-1] if len(what) > 1 else what[0]
+        inputs = [t for t in tree_leaves(split_inputs(example_inputs)) if isinstance(t, torch.Tensor)]
+        parts.append(("inputs", _nbytes(inputs, seen)))
+    return parts
 
 
-def refuse_below_resident(model: nn.Module, budget: int, example_inputs: Any = None, *,
-                          optimizer_bytes: int = 0) -> None:
-    """Raise :class:`solver.InfeasibleBudget` before any capture when ``budget`` bytes
-    are below :func:`resident_floor`, naming that figure (no schedule goes below it)."""
-    from solver.errors import InfeasibleBudget
+def _gradient_part(model: nn.Module, example_inputs: Any) -> list[tuple[str, int]]:
+    """The gradients of the trainable parameters that one forward on copies of
+    ``example_inputs`` reads (:func:`graphs.planned.parameters_read`); none without
+    inputs or where that forward cannot run."""
+    from graphs.planned import parameters_read
 
-    floor, what = resident_floor(model, example_inputs, optimizer_bytes=optimizer_bytes)
-    if budget < floor:
-        raise InfeasibleBudget(budget, floor, lower_bound_bytes=floor,
-                               what=f"peak any schedule could reach (every training step holds its {what} at its "
-                                    "end; checked before capture)")
+    if example_inputs is None:
+        return []
+    copies = PlanningInputs(*split_inputs(example_inputs))
+    try:
+        read = parameters_read(model, copies.args, copies.kwargs)
+    finally:
+        copies.release()
+    if not read:
+        return []
+    grads = _nbytes([p for n, p in model.named_parameters() if p.requires_grad and n in read], set())
+    return [("the gradients of the parameters the forward reads", grads)]
+
+
+def _nbytes(tensors: list, seen: set) -> int:
+    """Bytes of ``tensors``, each storage once (``seen`` carries the storages counted)."""
+    total = 0
+    for t in tensors:
+        key = id(t) if t.device.type == "meta" or type(t).__name__ == "FakeTensor" else t.untyped_storage().data_ptr()
+        if key not in seen:
+            seen.add(key)
+            total += t.numel() * t.element_size()
+    return total
 
 
 def _check_model(model: nn.Module) -> None:
@@ -378,23 +331,15 @@ def _check_model(model: nn.Module) -> None:
                           "step has no backward to plan; unfreeze parameters, or run it under torch.no_grad()")
 
 
-def _number(value: Any) -> bool:
-    """A real number (a bool is not one)."""
-    return isinstance(value, numbers.Real) and not isinstance(value, bool)
-
-
-def _check_options(model: nn.Module, *, budget_gb: Any, mode: str, pinned: bool, method: Any,
-                   time_limit: Any, gap_tolerance: Any, optimizer: Any, blocks: Any, verify: bool,
-                   planned_now: bool) -> None:
-    """Refuse, before any work, options of the wrong type or out of range."""
+def _check_options(model: nn.Module, *, mode: str, pinned: bool, method: Any, time_limit: Any,
+                   gap_tolerance: Any, optimizer: Any, blocks: Any, verify: bool, planned_now: bool) -> None:
+    """Refuse, before any work, the solver's options of the wrong type or out of range."""
     from solver.solving import methods
 
-    if not _number(budget_gb) or not math.isfinite(budget_gb) or budget_gb <= 0:
-        raise OptionError(f"budget_gb must be a positive, finite number of GiB, got {budget_gb!r}")
-    if time_limit is not None and not (_number(time_limit) and math.isfinite(time_limit) and time_limit > 0):
+    if time_limit is not None and not (real_number(time_limit) and math.isfinite(time_limit) and time_limit > 0):
         raise OptionError(f"time_limit must be a positive, finite number of seconds (or None: the methods' "
                           f"own limits), got {time_limit!r}")
-    if gap_tolerance is not None and not (_number(gap_tolerance) and 0 <= gap_tolerance < 1):
+    if gap_tolerance is not None and not (real_number(gap_tolerance) and 0 <= gap_tolerance < 1):
         raise OptionError(f"gap_tolerance must be a fraction of the extra compute in [0, 1), got {gap_tolerance!r}")
     if not isinstance(method, str):
         raise OptionError(f"method must be a method name, got {type(method).__name__}")
@@ -431,20 +376,27 @@ def _check_offload(request: Request, *, pinned: bool) -> None:
             "offload=True (or offload parameters with FSDP2's own policy)")
     if request.mode == "module" and pinned:
         raise OptionError("offload=True offloads graph mode's values; module mode checkpoints whole blocks and "
-                          "offloads nothing: use mode='graph' or mode=None")
+                          "offloads nothing: use mode='graph' or mode='auto'")
     if request.method != "auto":
         raise OptionError(f"offload=True lets method='auto' choose between offload and recomputation; "
                           f"method={request.method!r} plans as it is (method='offload' offloads without "
                           f"recomputing): drop offload=True or use method='auto'")
 
 
-def _request(model: nn.Module, budget_gb: float, *, mode: str, method: str, time_limit: float | None,
-             gap_tolerance: float | None,
-             compiler: str, activation_budget: bool, optimizer: torch.optim.Optimizer | None, self_check: bool,
-             blocks: list[str] | None, measure_time: bool | None, world_size: int | None, mesh: Any,
-             sharding: str | None, sharding_options: dict | None, planned_now: bool,
-             loss_fn: Callable[[Any], torch.Tensor] | None, watch: str) -> Request:
-    """The options of :func:`optimize`, read and checked before anything is captured."""
+def _read_options(model: nn.Module, budget_gb: Any, *, planned_now: bool, method: Any, time_limit: Any,
+                  gap_tolerance: Any, mode: Any, activation_budget: Any, optimizer: Any, verify: Any,
+                  measure_time: Any, blocks: Any, self_check: Any, world_size: Any, mesh: Any, sharding: Any,
+                  sharding_options: Any, compiler: Any, loss_fn: Any, watch: Any, dynamic: Any,
+                  offload: Any) -> tuple[Budget, Request]:
+    """The options of :func:`optimize`, every one checked here, before anything runs:
+    the budget, resolved once, and what every plan is asked for. ``planned_now``:
+    example inputs were given."""
+    mode, pinned = _resolve_mode(mode)
+    _check_model(model)
+    budget = Budget.from_gb(budget_gb, activation_only=activation_budget)
+    _check_options(model, mode=mode, pinned=pinned, method=method, time_limit=time_limit,
+                   gap_tolerance=gap_tolerance, optimizer=optimizer, blocks=blocks, verify=verify,
+                   planned_now=planned_now)
     if loss_fn is not None and not callable(loss_fn):
         raise OptionError(f"loss_fn must be a callable output -> scalar loss, got {type(loss_fn).__name__}")
     if watch not in WATCH:
@@ -459,16 +411,33 @@ def _request(model: nn.Module, budget_gb: float, *, mode: str, method: str, time
         if not planned_now:
             raise OptionError(f"sharding={sharding!r} needs example_inputs (this rank's local batch): the plan is made "
                              "before the model is wrapped")
-        if activation_budget and dp.sharding == "fsdp":
+        if budget.activation_only and dp.sharding == "fsdp":
             raise OptionError("activation_budget=True is not available with sharding='fsdp' (a rank's fixed "
                              "memory changes during the step); give the whole per-rank budget")
         dp.require_process_group()
-    budget_bytes = float(budget_gb) * GiB
     opt_bytes = optimizer_state_bytes(optimizer, model)
     if dp is not None:
         dp.optimizer_bytes = opt_bytes
-    return Request(mode=mode, budget=int(budget_bytes), activation_budget=activation_budget, method=method,
-                   time_limit=time_limit, compiler=compiler, self_check=self_check, blocks=blocks,
-                   gap_tolerance=PLANNING_GAP_TOLERANCE if gap_tolerance is None else float(gap_tolerance),
-                   measure_time=measure_time, optimizer_bytes=opt_bytes, dp=dp, loss_fn=loss_fn,
-                   watch=watch)
+    for name, value in (("dynamic", dynamic), ("offload", offload)):
+        if not isinstance(value, bool):
+            raise OptionError(f"{name} must be True or False, got {value!r}")
+    request = Request(mode=mode, budget=budget.total_bytes, activation_budget=budget.activation_only, method=method,
+                      time_limit=time_limit, compiler=compiler, self_check=self_check, blocks=blocks,
+                      gap_tolerance=PLANNING_GAP_TOLERANCE if gap_tolerance is None else float(gap_tolerance),
+                      measure_time=measure_time, optimizer_bytes=opt_bytes, dp=dp, loss_fn=loss_fn,
+                      watch=watch, mode_pinned=pinned, offload=offload)
+    if offload:
+        _check_offload(request, pinned=pinned)
+    return budget, request
+
+
+def _resolve_mode(mode: Any) -> tuple[str, bool]:
+    """The mode planned in first and whether it is pinned (no fallback to the other):
+    ``"auto"`` (or ``None``, its former spelling) plans in graph mode, falling back."""
+    if mode is None:
+        mode = "auto"
+    if not isinstance(mode, str) or mode not in MODES:
+        raise OptionError(f"mode must be one of {', '.join(map(repr, MODES))}, got {mode!r}")
+    return ("graph", False) if mode == "auto" else (mode, True)
+
+

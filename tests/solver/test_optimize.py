@@ -13,6 +13,7 @@ from graphs.capture import capture, default_loss
 from graphs.units import GiB
 from solver import InfeasibleBudget, simulate
 from solver.methods.minpeak import smallest_feasible_peak
+from solver.optimize_model import resident_floor
 
 # activation-heavy sizes, so that recomputation matters next to the parameters
 ZOO = {
@@ -183,10 +184,11 @@ def test_auto_plans_with_the_planning_gap_tolerance_or_the_one_given(monkeypatch
 def test_infeasible_budget_names_the_smallest_and_leaves_model_untouched():
     model, inputs = ZOO["mlp"]()
     forward = model.forward
+    floor = resident_floor(model, inputs)[0]  # below it, refused before capture (test_budget)
     with pytest.raises(InfeasibleBudget) as info:
-        solver.optimize(model, 1e-6, inputs, measure_time=False)
+        solver.optimize(model, floor / GiB, inputs, measure_time=False)
     assert "smallest feasible" in str(info.value)
-    assert info.value.smallest_feasible_bytes > 1e-6 * GiB
+    assert info.value.smallest_feasible_bytes > floor
     assert model.forward == forward and "forward" not in model.__dict__
     # and the smallest feasible budget it names works
     fast = solver.optimize(model, info.value.smallest_feasible_bytes / GiB, inputs, measure_time=False)
@@ -201,11 +203,12 @@ def test_an_infeasible_budget_names_the_raised_peak_bound(monkeypatch):
     from solver import solving
 
     model, inputs = ZOO["resnet"]()
+    floor = resident_floor(model, inputs)[0]  # below it, refused before capture (test_budget)
     with pytest.raises(InfeasibleBudget) as raised:
-        solver.optimize(model, 1e-6, inputs, measure_time=False)
+        solver.optimize(model, floor / GiB, inputs, measure_time=False)
     monkeypatch.setattr(solving, "_sharpened", lambda graph, exc, left: exc)
     with pytest.raises(InfeasibleBudget) as footprint:
-        solver.optimize(model, 1e-6, inputs, measure_time=False)
+        solver.optimize(model, floor / GiB, inputs, measure_time=False)
     assert footprint.value.lower_bound_bytes < raised.value.lower_bound_bytes
     assert raised.value.lower_bound_bytes <= raised.value.smallest_feasible_bytes
     # the error names the measured smallest peak and keeps the reason for the bound

@@ -15,6 +15,7 @@ from torch import nn
 import solver
 from graphs.units import GiB
 from solver.errors import OptionError
+from solver.optimize_model import resident_floor
 
 
 class Scaling(nn.Module):
@@ -47,8 +48,14 @@ def _budget(model, x, tight):
     if not tight:
         return 1.0 * GiB
     with pytest.raises(solver.InfeasibleBudget) as caught:
-        solver.optimize(copy.deepcopy(model), 1e-6, (x.detach().clone(),), measure_time=False)
+        solver.optimize(copy.deepcopy(model), _infeasible(model, x), (x.detach().clone(),), measure_time=False)
     return 1.02 * caught.value.smallest_feasible_bytes
+
+
+def _infeasible(model, x):
+    """A budget in GiB that planning finds infeasible after capturing the step: that of
+    what every step holds whatever its schedule (below it, refused before capture)."""
+    return resident_floor(model, (x.detach().clone(),))[0] / GiB
 
 
 def _state(x):
@@ -72,12 +79,12 @@ def test_an_input_the_model_writes_into_is_left_as_found(tight):
     model, x = Scaling(), torch.randn(64, 32)
     model.layers[1].eval()
     model.register_forward_hook(lambda m, a, out: None)
-    budget = _budget(model, x, tight)
+    budget, low = _budget(model, x, tight), _infeasible(model, x)
     state, before = _state(x), _model_state(model)
     fast = solver.optimize(model, budget / GiB, (x,), measure_time=False)
     assert _same(x, state) and _model_state(model) == before
     with pytest.raises(solver.InfeasibleBudget):
-        solver.optimize(model, 1e-6, (x,), measure_time=False)
+        solver.optimize(model, low, (x,), measure_time=False)
     assert _same(x, state) and _model_state(model) == before
     # the real step still writes into its input, as the model does
     fast(x).backward()
@@ -88,13 +95,13 @@ def test_an_input_the_model_writes_into_is_left_as_found(tight):
 def test_an_input_that_requires_a_gradient_gets_none_from_planning(tight):
     torch.manual_seed(0)
     model, x = Plain(), torch.randn(64, 32)
-    budget = _budget(model, x, tight)
+    budget, low = _budget(model, x, tight), _infeasible(model, x)
     x.requires_grad_()
     state = _state(x)
     solver.optimize(model, budget / GiB, (x,), measure_time=False)
     assert _same(x, state)
     with pytest.raises(solver.InfeasibleBudget):
-        solver.optimize(model, 1e-6, (x,), measure_time=False)
+        solver.optimize(model, low, (x,), measure_time=False)
     assert _same(x, state)
 
 
