@@ -40,7 +40,7 @@ from graphs.errors import CaptureError
 from graphs.memory import resident_bytes
 from graphs.rewrite import is_tangent, schedule_graphs, transfers
 
-__all__ = ["ScheduleRun", "measure_in_schedule"]
+__all__ = ["ScheduleRun", "carry_costs", "measure_in_schedule"]
 
 
 @dataclass(frozen=True)
@@ -180,3 +180,78 @@ def measure_in_schedule(cg: ComputeGraph, sequence: Sequence[Hashable], *, times
         set_op_costs(cg, times=timed)
         cg.meta["time_source"] = "measured"
     return ScheduleRun(peak_bytes=peak, seconds=time.perf_counter() - t0)
+
+
+def _op_costs(cg: ComputeGraph) -> dict[str, tuple[Any, float, int, int, int]]:
+    """Per op of the joint graph (a multi-output op once, by its fx name, as
+    :func:`graphs.capture.set_op_costs` keys it): its target, time, workspace, output
+    bytes and FLOPs."""
+    out: dict[str, tuple[Any, float, int, int, int]] = {}
+    groups: dict[str, list[str]] = {}
+    for v in cg.ops:
+        d = cg[v]
+        if d.get("group") is not None:
+            groups.setdefault(d["group"], []).append(v)
+        elif d.get("op") != "tangent":
+            out[str(v)] = (d.get("target"), float(d.get("time", 0.0)), int(d.get("workspace", 0)),
+                           int(d.get("bytes", 0)), int(d.get("flops", 0)))
+    for name, members in groups.items():
+        members = sorted(members, key=lambda p: cg[p]["group_index"])
+        first = cg[members[0]]
+        size = sum(int(cg[p]["bytes"]) for p in members)
+        workspace = int(first["run_workspace"]) - (size - int(first["bytes"]))
+        out[str(name)] = (first.get("target"), float(first["group_time"]), workspace, size,
+                          sum(int(cg[p].get("flops", 0)) for p in members))
+    return out
+
+
+def carry_costs(source: ComputeGraph, target: ComputeGraph) -> bool:
+    """Write the measured op times and workspaces of ``source`` onto ``target``, a
+    capture of the same step at other sizes (every op of ``target`` is an op of
+    ``source``: the same fx name and target), each scaled to the op's sizes in
+    ``target``: a time by the ratio of the op's FLOPs (of its output bytes where it has
+    none), a workspace by the ratio of its output bytes. Nothing runs: a plan for a new
+    size of a planned family is priced from the measured one. The figures stay
+    ``"measured"`` (``target.meta["costs_from"]`` names where they were measured);
+    the memory of a plan made from them is still judged by the allocator on its first
+    step.
+
+    Returns
+    -------
+    bool
+        Whether the costs were carried (False, and ``target`` untouched, where
+        ``source`` was not measured or the two differ in their ops).
+
+    Examples
+    --------
+    >>> import torch
+    >>> from torch import nn
+    >>> from graphs.capture import capture
+    >>> net = nn.Sequential(nn.Linear(8, 32), nn.ReLU(), nn.Linear(32, 1))
+    >>> cap = lambda n: capture(net, (torch.randn(n, 8),), backward="outputs", inplace="functional",
+    ...                         measure_time=False, measure_workspace=False)
+    >>> small, large = cap(4), cap(16)
+    >>> _ = measure_in_schedule(small, small.order, repeats=1)
+    >>> carry_costs(small, large), large.meta["time_source"]
+    (True, 'measured')
+    >>> large["relu"]["time"] == 4 * small["relu"]["time"]
+    True
+    """
+    if source.meta.get("time_source") != "measured" or source.meta.get("workspace_source") != "measured":
+        return False
+    try:
+        have, want = _op_costs(source), _op_costs(target)
+    except KeyError:  # a multi-output op without its shares: not a capture's DAG
+        return False
+    if not want or any(name not in have or have[name][0] != w[0] for name, w in want.items()):
+        return False
+    times, workspaces = {}, {}
+    for name, (_, _, _, size, flops) in want.items():
+        _, seconds, workspace, old_size, old_flops = have[name]
+        by_size = size / old_size if old_size else 1.0
+        times[name] = seconds * (flops / old_flops if flops and old_flops else by_size)
+        workspaces[name] = int(round(workspace * by_size))
+    set_op_costs(target, times=times, workspaces=workspaces)
+    target.meta["time_source"] = target.meta["workspace_source"] = "measured"
+    target.meta["costs_from"] = "a capture of the step at other sizes, scaled"
+    return True

@@ -83,7 +83,7 @@ class Captured:
     solve_start: float
     planning_peak: int | None = None  # the allocator's peak of the measuring run (untracked bytes included)
     measure_seconds: float = 0.0  # measuring op times and workspaces (measure_within)
-    measured_with: tuple | None = None  # the schedule the measuring run ran
+    measured_with: tuple | None = None  # the schedule the measuring run ran (empty: costs carried, nothing ran)
     cut: Any = None  # graphs.repeated.CutCapture: ``graph`` was written from a capture of four layers
     block_seconds: dict | None = None  # module mode: one block's seconds under each action (measure_blocks)
 
@@ -139,7 +139,11 @@ def training_mode(model: nn.Module) -> Iterator[bool]:
 def _plan_step(model: nn.Module, args: tuple, kwargs: dict, *, request: Request, session: Session,
                held_back: int, hooked: list[str]) -> Any:
     t0 = time.perf_counter()
-    cap = measure_within(capture_step(model, args, kwargs, request=request), request=request, held_back=held_back)
+    # a plan before this one, of the same step at other sizes (a family's bucket) or for
+    # another margin, prices this one: its measured op costs are carried, scaled
+    like = session.report.graph if session.report is not None else None
+    cap = measure_within(capture_step(model, args, kwargs, request=request), request=request, held_back=held_back,
+                         like=like)
     session.saw(cap.planning_peak)
     if request.mode == "module":
         cap = measure_blocks(model, args, kwargs, cap=cap, request=request)
@@ -232,7 +236,8 @@ def capture_step(model: nn.Module, args: tuple, kwargs: dict, *, request: Reques
                     capture_seconds=capture_s, solve_start=time.perf_counter(), cut=cut)
 
 
-def measure_within(cap: Captured, *, request: Request, held_back: int = 0) -> Captured:
+def measure_within(cap: Captured, *, request: Request, held_back: int = 0,
+                   like: ComputeGraph | None = None) -> Captured:
     """Measure the captured step's op workspaces (and times, unless
     ``request.measure_time`` is False) by running schedules of it
     (:func:`graphs.measured.measure_in_schedule`) that do not need the memory the plan
@@ -246,10 +251,14 @@ def measure_within(cap: Captured, *, request: Request, held_back: int = 0) -> Ca
     capture, every copy of a layer taking its template's figures, and the runs' peak
     counts the parameters of the layers not captured as resident beside it.
     ``held_back``: bytes of the budget a replan keeps back. Fake or meta tensors: as
-    captured (roofline times, estimated workspaces)."""
+    captured (roofline times, estimated workspaces). ``like``: a measured graph of the
+    same step at other sizes (an earlier plan's); where every op of the capture is one
+    of its ops, its figures are carried, scaled to the new sizes
+    (:func:`graphs.measured.carry_costs`), and nothing runs: the plan's memory is
+    judged by the allocator on its checked step as any plan's."""
     from dataclasses import replace
 
-    from graphs.measured import measure_in_schedule
+    from graphs.measured import carry_costs, measure_in_schedule
 
     cg = cap.graph
     # a DAG written from a capture of four layers is measured on that capture, whose run
@@ -261,6 +270,9 @@ def measure_within(cap: Captured, *, request: Request, held_back: int = 0) -> Ca
                                "fake/meta (use measure_time=False for roofline times)")
         return cap
     t0 = time.perf_counter()
+    if like is not None and request.measure_time is not False and carry_costs(like, cg):
+        return replace(cap, store_all=simulate(cg, cg.order).peak_bytes, measure_seconds=time.perf_counter() - t0,
+                       measured_with=(), solve_start=time.perf_counter())
     target, times = cap.budget - held_back, request.measure_time is not False
     # the cut capture carries none of the step's charges (optimizer state, loss, seed)
     more = beside + (cg.meta.get("extra_fixed_bytes", 0) if cap.cut is not None else 0)
@@ -396,6 +408,9 @@ def planning_note(report: Report, cap: Captured, session: Session) -> None:
     if cap.cut is not None:
         written = "; the step's joint graph written from them" if cap.cut.template is not None else ""
         report.notes.append(f"{repeated_note(cap.graph)}; op times and workspaces measured on those layers{written}")
+    if cap.measured_with == ():
+        report.notes.append("op times and workspaces carried from an earlier plan's step at other sizes, scaled "
+                            "(graphs.measured.carry_costs): nothing was measured again")
     if cap.graph.meta.get("workspace_source") == "estimated":
         report.notes.append("op workspaces are estimated per op family (fake or meta inputs; "
                             "graphs.costs.WORKSPACE_ESTIMATES): plan on a real batch to measure them")

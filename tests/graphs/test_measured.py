@@ -69,3 +69,39 @@ def test_fake_inputs_cannot_be_measured():
     cg = capture(model, (torch.empty(2, 4, device="meta"),), backward="outputs", measure_time=False)
     with pytest.raises(CaptureError, match="real tensors"):
         measure_in_schedule(cg, cg.order)
+
+
+def test_costs_measured_at_one_size_are_carried_to_another_scaled():
+    from graphs.measured import carry_costs
+
+    torch.manual_seed(0)
+    net = torch.nn.Sequential(torch.nn.Linear(16, 64), torch.nn.Tanh(), torch.nn.Linear(64, 1))
+    small, large = (capture(net, (torch.randn(n, 16),), backward="outputs", inplace="functional",
+                            measure_time=False, measure_workspace=False) for n in (8, 32))
+    assert not carry_costs(small, large)  # nothing measured to carry
+    measure_in_schedule(small, small.order, repeats=1)
+    roofline = {v: large[v]["time"] for v in large.ops}
+    assert carry_costs(small, large)
+    assert large.meta["time_source"] == large.meta["workspace_source"] == "measured"
+    for v in large.ops:
+        if large[v]["op"] == "tangent":
+            continue
+        ratio = large[v]["bytes"] / small[v]["bytes"] if small[v]["bytes"] else 1.0
+        if small[v]["flops"] and large[v]["flops"]:
+            ratio = large[v]["flops"] / small[v]["flops"]
+        assert large[v]["time"] == pytest.approx(small[v]["time"] * ratio)
+    assert any(large[v]["time"] != roofline[v] for v in large.ops)
+
+
+def test_costs_are_not_carried_to_a_step_with_other_ops():
+    from graphs.measured import carry_costs
+
+    a = torch.nn.Sequential(torch.nn.Linear(16, 64), torch.nn.Tanh(), torch.nn.Linear(64, 1))
+    b = torch.nn.Sequential(torch.nn.Linear(16, 64), torch.nn.ReLU(), torch.nn.Linear(64, 1))
+    ga, gb = (capture(m, (torch.randn(8, 16),), backward="outputs", inplace="functional", measure_time=False,
+                      measure_workspace=False) for m in (a, b))
+    measure_in_schedule(ga, ga.order, repeats=1)
+    before = {v: (gb[v]["time"], gb[v]["workspace"]) for v in gb.ops}
+    assert not carry_costs(ga, gb)
+    assert {v: (gb[v]["time"], gb[v]["workspace"]) for v in gb.ops} == before
+    assert gb.meta["time_source"] != "measured"

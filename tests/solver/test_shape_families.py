@@ -18,16 +18,17 @@ from graphs.memory import settle_open_judges
 from graphs.planned import bucket_sizes, grown_inputs, input_signature, size_family
 
 
-def _counting(monkeypatch):
-    """Counts every plan made (capture, solve and check), replans of the watch included."""
+def _counting(monkeypatch, module=solver.planning, name="_plan_step"):
+    """Counts every call of ``module.name``; by default every plan made (capture, solve
+    and check), replans of the watch included."""
     made = []
-    plan = solver.planning._plan_step
+    plan = getattr(module, name)
 
     def counted(*args, **kwargs):
         made.append(1)
         return plan(*args, **kwargs)
 
-    monkeypatch.setattr(solver.planning, "_plan_step", counted)
+    monkeypatch.setattr(module, name, counted)
     return made
 
 
@@ -188,3 +189,20 @@ def test_gradients_of_parameters_the_forward_does_not_read_are_not_counted():
         refuse_below_resident(model, floor - 1, (x,))
     assert caught.value.smallest_feasible_bytes == floor
     refuse_below_resident(model, floor, (x,))
+
+
+def test_a_bucket_plan_is_priced_from_the_family_measured_before(monkeypatch):
+    import graphs.measured
+
+    runs = _counting(monkeypatch, graphs.measured, "measure_in_schedule")
+    made = _counting(monkeypatch)
+    model = _mlp()
+    fast = solver.optimize(model, 1.0, mode="graph")
+    for n in (96, 128):
+        _grads(model, fast(torch.randn(n, 64)))
+    settle_open_judges()
+    assert len(made) == 2 and len(runs) == 1  # the bucket's plan measured nothing again
+    assert fast.report.graph.meta["time_source"] == "measured"
+    assert any("carried from an earlier plan" in note for note in fast.report.notes)
+    peaks = [p for s in fast.remat_steps.values() for p in s.step_peaks]
+    assert peaks and max(peaks) <= fast.report.budget_bytes
