@@ -188,7 +188,6 @@ def test_long_functions_sees_long_functions_and_their_reasons(tmp_path):
     assert long_functions({"m": tmp_path / "m.py"}) == [f"m.C.f ({MAX_FUNCTION_LINES + 1})"]
 
 
-@pytest.mark.xfail(strict=True, reason="functions being split")
 def test_no_function_is_long_without_saying_why():
     assert long_functions(_modules()) == []
 
@@ -248,10 +247,7 @@ def test_private_reaches_sees_imports_lazy_imports_and_module_attributes(tmp_pat
         "pkg.a:1 from pkg.b import _helper", "pkg.a:8 import torch._dynamo", "pkg.a:9 b._other"]
 
 
-@pytest.mark.parametrize("package", [
-    "solver",
-    pytest.param("graphs", marks=pytest.mark.xfail(strict=True, reason="private names being promoted")),
-])
+@pytest.mark.parametrize("package", ["solver", "graphs"])
 def test_no_module_imports_a_private_name_of_another(package):
     mods = _modules()
     found = [f for name in sorted(mods) if name.split(".")[0] == package
