@@ -39,8 +39,14 @@ from graphs.costs import StepRunner, measure_workspaces, remember_workspaces, ti
 from graphs.errors import CaptureError
 from graphs.memory import resident_bytes
 from graphs.rewrite import is_tangent, schedule_graphs
+from graphs.torch_internals import tree_leaves
 
-__all__ = ["ScheduleRun", "measure_in_schedule"]
+__all__ = ["PROBED_OPS", "ScheduleRun", "measure_in_schedule", "probe_workspaces"]
+
+#: op families whose workspace follows the kernel and layouts chosen when they run
+#: (oneDNN's convolutions pad and reorder by channel blocks): estimates of them are the
+#: least reliable, so :func:`probe_workspaces` measures them alone before a whole step runs
+PROBED_OPS = (torch.ops.aten.convolution.default, torch.ops.aten.convolution_backward.default)
 
 
 @dataclass(frozen=True)
@@ -174,3 +180,87 @@ def measure_in_schedule(cg: ComputeGraph, sequence: Sequence[Hashable], *, times
         set_op_costs(cg, times=timed)
         cg.meta["time_source"] = "measured"
     return ScheduleRun(peak_bytes=peak, seconds=time.perf_counter() - t0)
+
+
+def probe_workspaces(cg: ComputeGraph, *, ops: Sequence[Any] = PROBED_OPS) -> dict[str, int]:
+    """Measure the workspace of each of ``cg``'s ops of the families ``ops`` alone, on
+    inputs of its captured shapes, strides and dtypes (filled with ones: no generator is
+    drawn from), and write the figures onto ``cg`` (:func:`graphs.capture.set_op_costs`),
+    for choosing the schedule a whole step is then measured in. Each run holds one op's
+    inputs, outputs and workspace: less than any step that runs the op. Ops alike by
+    :func:`graphs.costs.op_signature` run once. Where nothing can run (no fx graph, fake
+    or meta tensors, a torch profiler already recording on CPU) nothing is measured.
+
+    Parameters
+    ----------
+    cg : ComputeGraph
+        Captured on real tensors (it carries ``fx`` and ``capture_info``).
+    ops : sequence of op overloads, keyword-only
+        The families to measure.
+
+    Returns
+    -------
+    dict
+        fx node name -> measured workspace bytes.
+
+    Examples
+    --------
+    >>> from torch import nn
+    >>> from graphs.capture import capture
+    >>> net = nn.Sequential(nn.Conv2d(4, 4, 3, padding=1, groups=4))
+    >>> cg = capture(net, (torch.randn(2, 4, 8, 8),), backward="outputs", inplace="functional",
+    ...              measure_time=False, measure_workspace=False)
+    >>> sorted(probe_workspaces(cg))
+    ['convolution', 'convolution_backward']
+    """
+    from graphs.costs import op_signature
+    from graphs.memory import AllocatorPeak, judge_available
+
+    info, gm = getattr(cg, "capture_info", None), getattr(cg, "fx", None)
+    if info is None or gm is None or not info.real:
+        return {}
+    wanted = set(ops)
+    seen: dict[tuple, int] = {}
+    found: dict[str, int] = {}
+    for node in gm.graph.nodes:
+        if node.op != "call_function" or node.target not in wanted:
+            continue
+        sig = op_signature(node)
+        if sig is not None and sig in seen:
+            found[node.name] = seen[sig]
+            continue
+        try:
+            args, kwargs = fx.node.map_arg((node.args, node.kwargs), _ones_like_value)
+        except LookupError:  # an argument that is not a tensor of known size
+            continue
+        tensors = [t for t in tree_leaves((args, kwargs)) if isinstance(t, torch.Tensor)]
+        if not tensors or not judge_available(*tensors):
+            continue
+        with no_autocast(), torch.no_grad(), AllocatorPeak(device=tensors[0].device) as m:
+            out = node.target(*args, **kwargs)
+        del out
+        # what the op held at its peak beyond what it left allocated (its outputs)
+        found[node.name] = max(int(m.peak_bytes - max(m.allocated_bytes, 0)), 0)
+        if sig is not None:
+            seen[sig] = found[node.name]
+        del args, kwargs, tensors
+    if found:
+        set_op_costs(cg, workspaces=found)
+        remember_workspaces(gm, found)
+    return found
+
+
+def _ones_like_value(n: fx.Node) -> Any:
+    """A real tensor of ``n``'s captured value's size, strides, dtype and device, or the
+    value itself when it is not a tensor; LookupError where it cannot be made."""
+    v = n.meta.get("val")
+    if not isinstance(v, torch.Tensor):
+        if v is None:
+            raise LookupError(n.name)
+        return v
+    try:
+        t = torch.empty_strided(tuple(int(x) for x in v.shape), tuple(int(x) for x in v.stride()), dtype=v.dtype,
+                                device=v.device)
+    except (TypeError, RuntimeError):  # symbolic sizes, or a device that cannot allocate
+        raise LookupError(n.name) from None
+    return t.fill_(1) if t.numel() else t

@@ -231,7 +231,9 @@ def measure_within(cap: Captured, *, request: Request, held_back: int = 0) -> Ca
     (:func:`graphs.measured.measure_in_schedule`) that do not need the memory the plan
     is to save: the reference order where it fits well within the budget by the
     capture's estimates, otherwise the lowest-peak schedule found (the estimates of the
-    workspaces can be low). One run measures the workspaces, the next the times (an op
+    workspaces can be low: the ops whose estimates are least reliable,
+    :data:`graphs.measured.PROBED_OPS`, are measured alone first,
+    :func:`graphs.measured.probe_workspaces`). One run measures the workspaces, the next the times (an op
     that the schedule runs again, or one like an op timed before, is timed once:
     :func:`graphs.costs.time_ops`). The returned capture carries the
     measured figures and the runs' peak. A DAG written from a capture of four alike
@@ -242,7 +244,7 @@ def measure_within(cap: Captured, *, request: Request, held_back: int = 0) -> Ca
     captured (roofline times, estimated workspaces)."""
     from dataclasses import replace
 
-    from graphs.measured import measure_in_schedule
+    from graphs.measured import measure_in_schedule, probe_workspaces
 
     cg = cap.graph
     # a DAG written from a capture of four layers is measured on that capture, whose run
@@ -257,6 +259,9 @@ def measure_within(cap: Captured, *, request: Request, held_back: int = 0) -> Ca
     target, times = cap.budget - held_back, request.measure_time is not False
     # the cut capture carries none of the step's charges (optimizer state, loss, seed)
     more = beside + (cg.meta.get("extra_fixed_bytes", 0) if cap.cut is not None else 0)
+    # the op families whose estimates are least reliable, measured alone first: a run of
+    # one op and its inputs, far below any step that holds them
+    probe_workspaces(run_on)
     store_all = simulate(run_on, run_on.order).peak_bytes + more  # by the capture's estimates
     if store_all <= MEASURE_MARGIN * target:
         sequence = list(run_on.order)

@@ -124,3 +124,17 @@ def test_optimize_holds_the_budget_and_the_gradients(counter, name, fracs):
         assert row["planning"] <= row["report"] + SLACK, row
         assert row["step"] <= row["used"], row  # the first real step
         assert row["differ"] == [], row
+
+
+@pytest.mark.slow
+def test_convolutions_are_measured_alone_before_a_step_runs_on_their_estimates(counter):
+    # the convolution backward's rule made to estimate nothing: what keeps planning within
+    # the budget is measuring the convolutions alone before the whole step runs
+    low = ("import torch, graphs.costs\n"
+           "graphs.costs.WORKSPACE_ESTIMATES[torch.ops.aten.convolution_backward.default] = lambda node: 0\n")
+    for row in _optimize_counted(counter, "convnext_wide", "0.75", child=low + CHILD):
+        assert "named" not in row, row
+        assert row["report"] <= row["used"], row
+        assert row["planning"] <= row["report"] + SLACK, row
+        assert row["step"] <= row["used"], row
+        assert row["differ"] == [], row
