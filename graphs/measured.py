@@ -41,7 +41,7 @@ from graphs.memory import resident_bytes
 from graphs.rewrite import is_tangent, schedule_graphs
 from graphs.torch_internals import tree_leaves
 
-__all__ = ["PROBED_OPS", "ScheduleRun", "measure_in_schedule", "probe_workspaces"]
+__all__ = ["PROBED_OPS", "ProbeRun", "ScheduleRun", "measure_in_schedule", "probe_workspaces"]
 
 #: op families whose workspace follows the kernel and layouts chosen when they run
 #: (oneDNN's convolutions pad and reorder by channel blocks): estimates of them are the
@@ -182,14 +182,33 @@ def measure_in_schedule(cg: ComputeGraph, sequence: Sequence[Hashable], *, times
     return ScheduleRun(peak_bytes=peak, seconds=time.perf_counter() - t0)
 
 
-def probe_workspaces(cg: ComputeGraph, *, ops: Sequence[Any] = PROBED_OPS) -> dict[str, int]:
+@dataclass(frozen=True)
+class ProbeRun:
+    """The convolutions of a captured step measured alone (:func:`probe_workspaces`).
+
+    Attributes
+    ----------
+    workspace : dict
+        fx node name -> measured workspace bytes.
+    peak_bytes : int or None
+        The highest of the runs: the step's parameters, buffers and inputs, the inputs
+        made for the op and what it allocated (None where nothing ran).
+    """
+
+    workspace: dict
+    peak_bytes: int | None
+
+
+def probe_workspaces(cg: ComputeGraph, *, ops: Sequence[Any] = PROBED_OPS) -> ProbeRun:
     """Measure the workspace of each of ``cg``'s ops of the families ``ops`` alone, on
-    inputs of its captured shapes, strides and dtypes (filled with ones: no generator is
-    drawn from), and write the figures onto ``cg`` (:func:`graphs.capture.set_op_costs`),
-    for choosing the schedule a whole step is then measured in. Each run holds one op's
-    inputs, outputs and workspace: less than any step that runs the op. Ops alike by
-    :func:`graphs.costs.op_signature` run once. Where nothing can run (no fx graph, fake
-    or meta tensors, a torch profiler already recording on CPU) nothing is measured.
+    its captured inputs (the step's own parameters and inputs where the op reads them,
+    else tensors of the captured shapes, strides and dtypes filled with ones: no
+    generator is drawn from), and write the figures onto ``cg``
+    (:func:`graphs.capture.set_op_costs`), for choosing the schedule a whole step is
+    then measured in. Each run holds one op's inputs, outputs and workspace beside the
+    step's resident values: less than any step that runs the op. Ops alike by
+    :func:`graphs.costs.op_signature` run once. Where nothing can run (no fx graph,
+    fake or meta tensors, a torch profiler already recording on CPU) nothing is measured.
 
     Parameters
     ----------
@@ -200,8 +219,7 @@ def probe_workspaces(cg: ComputeGraph, *, ops: Sequence[Any] = PROBED_OPS) -> di
 
     Returns
     -------
-    dict
-        fx node name -> measured workspace bytes.
+    ProbeRun
 
     Examples
     --------
@@ -210,7 +228,7 @@ def probe_workspaces(cg: ComputeGraph, *, ops: Sequence[Any] = PROBED_OPS) -> di
     >>> net = nn.Sequential(nn.Conv2d(4, 4, 3, padding=1, groups=4))
     >>> cg = capture(net, (torch.randn(2, 4, 8, 8),), backward="outputs", inplace="functional",
     ...              measure_time=False, measure_workspace=False)
-    >>> sorted(probe_workspaces(cg))
+    >>> sorted(probe_workspaces(cg).workspace)
     ['convolution', 'convolution_backward']
     """
     from graphs.costs import op_signature
@@ -218,10 +236,18 @@ def probe_workspaces(cg: ComputeGraph, *, ops: Sequence[Any] = PROBED_OPS) -> di
 
     info, gm = getattr(cg, "capture_info", None), getattr(cg, "fx", None)
     if info is None or gm is None or not info.real:
-        return {}
+        return ProbeRun({}, None)
     wanted = set(ops)
     seen: dict[tuple, int] = {}
     found: dict[str, int] = {}
+    peak: int | None = None
+    resident = [info.step, info.flat_inputs]
+
+    def value(n: fx.Node) -> Any:
+        if n.op == "placeholder":  # the step's parameter or input itself, no copy of it
+            return real_placeholder_values([n], info.step, info.flat_inputs)[0]
+        return _ones_like_value(n)
+
     for node in gm.graph.nodes:
         if node.op != "call_function" or node.target not in wanted:
             continue
@@ -230,7 +256,7 @@ def probe_workspaces(cg: ComputeGraph, *, ops: Sequence[Any] = PROBED_OPS) -> di
             found[node.name] = seen[sig]
             continue
         try:
-            args, kwargs = fx.node.map_arg((node.args, node.kwargs), _ones_like_value)
+            args, kwargs = fx.node.map_arg((node.args, node.kwargs), value)
         except LookupError:  # an argument that is not a tensor of known size
             continue
         tensors = [t for t in tree_leaves((args, kwargs)) if isinstance(t, torch.Tensor)]
@@ -241,13 +267,15 @@ def probe_workspaces(cg: ComputeGraph, *, ops: Sequence[Any] = PROBED_OPS) -> di
         del out
         # what the op held at its peak beyond what it left allocated (its outputs)
         found[node.name] = max(int(m.peak_bytes - max(m.allocated_bytes, 0)), 0)
+        held = resident_bytes(resident, tensors, device=tensors[0].device) + int(m.peak_bytes)
+        peak = held if peak is None else max(peak, held)
         if sig is not None:
             seen[sig] = found[node.name]
         del args, kwargs, tensors
     if found:
         set_op_costs(cg, workspaces=found)
         remember_workspaces(gm, found)
-    return found
+    return ProbeRun(found, peak)
 
 
 def _ones_like_value(n: fx.Node) -> Any:

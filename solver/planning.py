@@ -260,14 +260,14 @@ def measure_within(cap: Captured, *, request: Request, held_back: int = 0) -> Ca
     # the cut capture carries none of the step's charges (optimizer state, loss, seed)
     more = beside + (cg.meta.get("extra_fixed_bytes", 0) if cap.cut is not None else 0)
     # the op families whose estimates are least reliable, measured alone first: a run of
-    # one op and its inputs, far below any step that holds them
-    probe_workspaces(run_on)
+    # one op and its inputs beside the resident values, no more than a step that runs it
+    probed = probe_workspaces(run_on).peak_bytes
     store_all = simulate(run_on, run_on.order).peak_bytes + more  # by the capture's estimates
     if store_all <= MEASURE_MARGIN * target:
         sequence = list(run_on.order)
     else:  # schedules of a view whose random ops may run again, as the rewrite replays them
         sequence = lowest_peak_sequence(replayed_view(run_on), target=int(target - more))
-    peaks = [measure_in_schedule(run_on, sequence, times=times).peak_bytes]
+    peaks = [probed, measure_in_schedule(run_on, sequence, times=times).peak_bytes]
     if cap.cut is not None:
         cap.cut.copy_costs()
     judged = [p + untracked_bytes(cg) + beside for p in peaks if p is not None]

@@ -84,7 +84,7 @@ def test_convolutions_measured_alone_take_the_workspaces_of_a_whole_run(monkeypa
     x = torch.randn(2, 3, 16, 16).contiguous(memory_format=torch.channels_last)
     options = dict(backward="outputs", inplace="functional", measure_time=False, measure_workspace=False)
     probed = capture(net, (x,), **options)
-    alone = probe_workspaces(probed)
+    alone = probe_workspaces(probed).workspace
     graphs.costs.forget_measured_workspaces()
     whole = capture(net, (x,), **options)
     measure_in_schedule(whole, whole.order, times=False)
