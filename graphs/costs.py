@@ -683,7 +683,10 @@ def annotate_estimated_workspace(gm: torch.fx.GraphModule) -> dict[str, int]:
     run. The rules follow what the CPU convolution kernels (oneDNN) allocate inside the
     op: they copy activations into a blocked memory layout. A convolution's forward
     holds the larger of its input and output plus its weight; its backward holds the
-    output's gradient, plus the input when the input's gradient is computed. Every other
+    output's gradient, plus the input when the input's gradient is computed, plus, on
+    channels-last activations when the weight's gradient is computed, that gradient in
+    oneDNN's blocked layout with each group's channels padded to whole blocks (a
+    depthwise convolution's: 1 KiB a channel and kernel tap). Every other
     op: 0, but ``_safe_softmax`` (a one-byte mask per element). On the U-Net-like CNNs
     of the tests they are within a factor 2 of the measured workspaces of 3x3
     convolutions and of every convolution's backward (1x1 and transposed forwards
