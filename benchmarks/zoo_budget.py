@@ -50,17 +50,17 @@ ROOT = HERE.parent
 RESULTS = HERE / "results"
 MIB = 2**20
 
-VISION = ("resnet18", "convnext", "efficientnet", "vit")
+VISION = ("resnet18", "convnext", "efficientnet", "vit", "convnext_wide")
 HF = ("bert", "qwen2", "t5")
 MODELS = VISION + HF
 FRACTIONS = (0.7, 0.5)
 
 #: what the benchmark builds: per vision model (image side, batch); the language models'
 #: config sizes and (batch, tokens)
-BENCH_SIZES: dict[str, Any] = dict(resnet18=(112, 16), convnext=(64, 8), efficientnet=(96, 8), vit=(64, 8),
+BENCH_SIZES: dict[str, Any] = dict(resnet18=(112, 16), convnext=(64, 8), convnext_wide=(64, 8), efficientnet=(96, 8), vit=(64, 8),
                                    hf=dict(hidden=128, layers=2, ff=256, vocab=1024, positions=128, batch=(4, 64)))
 #: the smaller sizes of ``tests/solver/test_zoo_budget.py`` (rebuilt vision models)
-TEST_SIZES: dict[str, Any] = dict(resnet18=(64, 4), convnext=(64, 4), efficientnet=(32, 8), vit=(32, 8),
+TEST_SIZES: dict[str, Any] = dict(resnet18=(64, 4), convnext=(64, 4), convnext_wide=(64, 8), efficientnet=(32, 8), vit=(32, 8),
                                   hf=dict(hidden=64, layers=2, ff=128, vocab=256, positions=64, batch=(4, 32)))
 
 
@@ -78,7 +78,7 @@ def vision_model(name: str, *, source: str, scale: str):
 
         if name == "resnet18":
             return tvm.resnet18(num_classes=10)
-        if name == "convnext":
+        if name in ("convnext", "convnext_wide"):
             setting = [CNBlockConfig(24, 48, 1), CNBlockConfig(48, 96, 1), CNBlockConfig(96, 192, 2),
                        CNBlockConfig(192, None, 1)]
             return tvm.ConvNeXt(setting, num_classes=10)
@@ -93,6 +93,8 @@ def vision_model(name: str, *, source: str, scale: str):
         return tv.resnet18(width=4 if scale == "test" else 8)
     if name == "convnext":
         return tv.convnext()
+    if name == "convnext_wide":  # torchvision's widths: the depthwise backward's workspace is most of the step
+        return tv.convnext(dims=(24, 48, 96, 192))
     if name == "efficientnet":
         return tv.efficientnet()
     image = BENCH_SIZES["vit"][0] if scale == "bench" else TEST_SIZES["vit"][0]

@@ -569,12 +569,60 @@ def _conv_forward_buffers(node: torch.fx.Node) -> int:
     return max(_tensor_bytes(x), _tensor_bytes(node.meta.get("val"))) + _tensor_bytes(w)
 
 
+#: oneDNN's channel block on CPU: 16 fp32 lanes of AVX-512, the widest it uses (on
+#: narrower vector units the blocks are smaller, and the rule below an upper bound)
+_ONEDNN_CHANNEL_BLOCK = 16
+
+
+def _channels_last(t: Any) -> bool:
+    """Whether torch's CPU convolution takes ``t`` as channels-last (its strides say so
+    and not plain contiguity as well), the case where it runs oneDNN in NHWC."""
+    if not isinstance(t, torch.Tensor) or t.dim() not in (4, 5):
+        return False
+    fmt = torch.channels_last if t.dim() == 4 else torch.channels_last_3d
+    try:
+        return bool(t.is_contiguous(memory_format=fmt)) and not bool(t.is_contiguous())
+    except (TypeError, RuntimeError):  # symbolic strides
+        return False
+
+
+def _blocked_weight_grad_bytes(x: Any, w: Any, groups: int) -> int:
+    """The weight gradient of a channels-last CPU convolution, as oneDNN computes it: in
+    its blocked weight layout, each group's output and input channels padded up to whole
+    channel blocks, accumulated in fp32 (and copied to the weight's dtype when that is
+    narrower), then reordered into the weight's own layout. For a depthwise convolution
+    (one channel a group) the padding makes it ``block ** 2`` times the weight: 1 KiB a
+    group and kernel tap, whatever the batch and spatial sizes. Contiguous inputs go
+    another way, which the rule leaves to the activation copies."""
+    if not (_channels_last(x) or _channels_last(w)) or not isinstance(w, torch.Tensor):
+        return 0
+    if x.device.type != "cpu" or w.dtype not in (torch.float32, torch.bfloat16, torch.float16):
+        return 0
+    if not (torch.backends.mkldnn.is_available() and torch.backends.mkldnn.enabled):
+        return 0
+    b = _ONEDNN_CHANNEL_BLOCK
+    pad = lambda c: -(-int(c) // b) * b  # noqa: E731
+    taps = 1
+    for k in w.shape[2:]:
+        taps *= int(k)
+    padded = groups * pad(int(w.shape[0]) // groups) * pad(w.shape[1]) * taps
+    narrow = padded * w.element_size() if w.element_size() < 4 else 0
+    # a weight not laid out channels-last is first copied into that layout too
+    fmt = torch.channels_last if w.dim() == 4 else torch.channels_last_3d
+    copied = 0 if w.is_contiguous(memory_format=fmt) else _tensor_bytes(w)
+    return padded * 4 + narrow + _tensor_bytes(w) + copied
+
+
 def _conv_backward_buffers(node: torch.fx.Node) -> int:
     """A convolution's backward: the output's gradient, and the input when the input's
-    gradient is asked for, copied into the kernel's blocked layout."""
-    grad_out, x = (_vals(a) for a in node.args[:2])
-    mask = node.args[-1] if isinstance(node.args[-1], (list, tuple)) else (True,)
-    return _tensor_bytes(grad_out) + (_tensor_bytes(x) if mask[0] else 0)
+    gradient is asked for, copied into the kernel's blocked layout; and, when the
+    weight's gradient is asked for on channels-last activations, that gradient in
+    oneDNN's padded blocked layout (:func:`_blocked_weight_grad_bytes`)."""
+    grad_out, x, w = (_vals(a) for a in node.args[:3])
+    mask = node.args[-1] if isinstance(node.args[-1], (list, tuple)) else (True, True)
+    groups = node.args[9] if len(node.args) > 9 and isinstance(node.args[9], int) else 1
+    weight_grad = _blocked_weight_grad_bytes(x, w, groups) if len(mask) > 1 and mask[1] else 0
+    return _tensor_bytes(grad_out) + (_tensor_bytes(x) if mask[0] else 0) + weight_grad
 
 
 #: per op overload, the function of its node that estimates its workspace in bytes
@@ -644,7 +692,10 @@ def annotate_estimated_workspace(gm: torch.fx.GraphModule) -> dict[str, int]:
     run. The rules follow what the CPU convolution kernels (oneDNN) allocate inside the
     op: they copy activations into a blocked memory layout. A convolution's forward
     holds the larger of its input and output plus its weight; its backward holds the
-    output's gradient, plus the input when the input's gradient is computed. Every other
+    output's gradient, plus the input when the input's gradient is computed, plus, on
+    channels-last activations when the weight's gradient is computed, that gradient in
+    oneDNN's blocked layout with each group's channels padded to whole blocks (a
+    depthwise convolution's: 1 KiB a channel and kernel tap). Every other
     op: 0, but ``_safe_softmax`` (a one-byte mask per element). On the U-Net-like CNNs
     of the tests they are within a factor 2 of the measured workspaces of 3x3
     convolutions and of every convolution's backward (1x1 and transposed forwards

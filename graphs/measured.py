@@ -39,8 +39,14 @@ from graphs.costs import StepRunner, measure_workspaces, remember_workspaces, ti
 from graphs.errors import CaptureError
 from graphs.memory import resident_bytes
 from graphs.rewrite import is_tangent, schedule_graphs, transfers
+from graphs.torch_internals import tree_leaves
 
-__all__ = ["ScheduleRun", "carry_costs", "measure_in_schedule"]
+__all__ = ["PROBED_OPS", "ProbeRun", "ScheduleRun", "carry_costs", "measure_in_schedule", "probe_workspaces"]
+
+#: op families whose workspace follows the kernel and layouts chosen when they run
+#: (oneDNN's convolutions pad and reorder by channel blocks): estimates of them are the
+#: least reliable, so :func:`probe_workspaces` measures them alone before a whole step runs
+PROBED_OPS = (torch.ops.aten.convolution.default, torch.ops.aten.convolution_backward.default)
 
 
 @dataclass(frozen=True)
@@ -255,3 +261,113 @@ def carry_costs(source: ComputeGraph, target: ComputeGraph) -> bool:
     target.meta["time_source"] = target.meta["workspace_source"] = "measured"
     target.meta["costs_from"] = "a capture of the step at other sizes, scaled"
     return True
+@dataclass(frozen=True)
+class ProbeRun:
+    """The convolutions of a captured step measured alone (:func:`probe_workspaces`).
+
+    Attributes
+    ----------
+    workspace : dict
+        fx node name -> measured workspace bytes.
+    peak_bytes : int or None
+        The highest of the runs: the step's parameters, buffers and inputs, the inputs
+        made for the op and what it allocated (None where nothing ran).
+    """
+
+    workspace: dict
+    peak_bytes: int | None
+
+
+def probe_workspaces(cg: ComputeGraph, *, ops: Sequence[Any] = PROBED_OPS) -> ProbeRun:
+    """Measure the workspace of each of ``cg``'s ops of the families ``ops`` alone, on
+    its captured inputs (the step's own parameters and inputs where the op reads them,
+    else tensors of the captured shapes, strides and dtypes filled with ones: no
+    generator is drawn from), and write the figures onto ``cg``
+    (:func:`graphs.capture.set_op_costs`), for choosing the schedule a whole step is
+    then measured in. Each run holds one op's inputs, outputs and workspace beside the
+    step's resident values: less than any step that runs the op. Ops alike by
+    :func:`graphs.costs.op_signature` run once. Where nothing can run (no fx graph,
+    fake or meta tensors, a torch profiler already recording on CPU) nothing is measured.
+
+    Parameters
+    ----------
+    cg : ComputeGraph
+        Captured on real tensors (it carries ``fx`` and ``capture_info``).
+    ops : sequence of op overloads, keyword-only
+        The families to measure.
+
+    Returns
+    -------
+    ProbeRun
+
+    Examples
+    --------
+    >>> from torch import nn
+    >>> from graphs.capture import capture
+    >>> net = nn.Sequential(nn.Conv2d(4, 4, 3, padding=1, groups=4))
+    >>> cg = capture(net, (torch.randn(2, 4, 8, 8),), backward="outputs", inplace="functional",
+    ...              measure_time=False, measure_workspace=False)
+    >>> sorted(probe_workspaces(cg).workspace)
+    ['convolution', 'convolution_backward']
+    """
+    from graphs.costs import op_signature
+    from graphs.memory import AllocatorPeak, judge_available
+
+    info, gm = getattr(cg, "capture_info", None), getattr(cg, "fx", None)
+    if info is None or gm is None or not info.real:
+        return ProbeRun({}, None)
+    wanted = set(ops)
+    seen: dict[tuple, int] = {}
+    found: dict[str, int] = {}
+    peak: int | None = None
+    resident = [info.step, info.flat_inputs]
+
+    def value(n: fx.Node) -> Any:
+        if n.op == "placeholder":  # the step's parameter or input itself, no copy of it
+            return real_placeholder_values([n], info.step, info.flat_inputs)[0]
+        return _ones_like_value(n)
+
+    for node in gm.graph.nodes:
+        if node.op != "call_function" or node.target not in wanted:
+            continue
+        sig = op_signature(node)
+        if sig is not None and sig in seen:
+            found[node.name] = seen[sig]
+            continue
+        try:
+            args, kwargs = fx.node.map_arg((node.args, node.kwargs), value)
+        except LookupError:  # an argument that is not a tensor of known size
+            continue
+        tensors = [t for t in tree_leaves((args, kwargs)) if isinstance(t, torch.Tensor)]
+        if not tensors or not judge_available(*tensors):
+            continue
+        with no_autocast(), torch.no_grad(), AllocatorPeak(device=tensors[0].device) as m:
+            out = node.target(*args, **kwargs)
+        del out
+        # what the op held at its peak beyond what it left allocated (its outputs)
+        found[node.name] = max(int(m.peak_bytes - max(m.allocated_bytes, 0)), 0)
+        held = resident_bytes(resident, tensors, device=tensors[0].device) + int(m.peak_bytes)
+        peak = held if peak is None else max(peak, held)
+        if sig is not None:
+            seen[sig] = found[node.name]
+        del args, kwargs, tensors
+    if found:
+        set_op_costs(cg, workspaces=found)
+        remember_workspaces(gm, found)
+    return ProbeRun(found, peak)
+
+
+def _ones_like_value(n: fx.Node) -> Any:
+    """A real tensor of ``n``'s captured value's size, strides, dtype and device, or the
+    value itself when it is not a tensor; LookupError where it cannot be made."""
+    v = n.meta.get("val")
+    if not isinstance(v, torch.Tensor):
+        if v is None:
+            raise LookupError(n.name)
+        return v
+    try:
+        t = torch.empty_strided(tuple(int(x) for x in v.shape), tuple(int(x) for x in v.stride()), dtype=v.dtype,
+                                device=v.device)
+    except (TypeError, RuntimeError):  # symbolic sizes, or a device that cannot allocate
+        raise LookupError(n.name) from None
+    return t.fill_(1) if t.numel() else t

@@ -243,7 +243,9 @@ def measure_within(cap: Captured, *, request: Request, held_back: int = 0,
     (:func:`graphs.measured.measure_in_schedule`) that do not need the memory the plan
     is to save: the reference order where it fits well within the budget by the
     capture's estimates, otherwise the lowest-peak schedule found (the estimates of the
-    workspaces can be low). One run measures the workspaces, the next the times (an op
+    workspaces can be low: the ops whose estimates are least reliable,
+    :data:`graphs.measured.PROBED_OPS`, are measured alone first,
+    :func:`graphs.measured.probe_workspaces`). One run measures the workspaces, the next the times (an op
     that the schedule runs again, or one like an op timed before, is timed once:
     :func:`graphs.costs.time_ops`). The returned capture carries the
     measured figures and the runs' peak. A DAG written from a capture of four alike
@@ -258,7 +260,7 @@ def measure_within(cap: Captured, *, request: Request, held_back: int = 0,
     judged by the allocator on its checked step as any plan's."""
     from dataclasses import replace
 
-    from graphs.measured import carry_costs, measure_in_schedule
+    from graphs.measured import carry_costs, measure_in_schedule, probe_workspaces
 
     cg = cap.graph
     # a DAG written from a capture of four layers is measured on that capture, whose run
@@ -276,6 +278,9 @@ def measure_within(cap: Captured, *, request: Request, held_back: int = 0,
     target, times = cap.budget - held_back, request.measure_time is not False
     # the cut capture carries none of the step's charges (optimizer state, loss, seed)
     more = beside + (cg.meta.get("extra_fixed_bytes", 0) if cap.cut is not None else 0)
+    # the op families whose estimates are least reliable, measured alone first: a run of
+    # one op and its inputs beside the resident values, no more than a step that runs it
+    probed = probe_workspaces(run_on).peak_bytes
     store_all = simulate(run_on, run_on.order).peak_bytes + more  # by the capture's estimates
     offloads: list = []
     if store_all <= MEASURE_MARGIN * target:
@@ -288,7 +293,7 @@ def measure_within(cap: Captured, *, request: Request, held_back: int = 0,
             planned = offload_only(view, int(target - more), request=request)
             if planned is not None:
                 sequence, offloads = planned.sequence, list(planned.offloads)
-    peaks = [measure_in_schedule(run_on, sequence, times=times, offloads=offloads).peak_bytes]
+    peaks = [probed, measure_in_schedule(run_on, sequence, times=times, offloads=offloads).peak_bytes]
     if cap.cut is not None:
         cap.cut.copy_costs()
     judged = [p + untracked_bytes(cg) + beside for p in peaks if p is not None]

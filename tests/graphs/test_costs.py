@@ -160,3 +160,25 @@ def test_cpu_flash_attention_is_counted_as_flash_attention_on_every_torch():
     flops = annotate_flops(gm)
     forward = next(n for n in flops if n.startswith("_scaled_dot_product_flash_attention_for_cpu"))
     assert flops[forward] == 2 * (2 * 2 * 3 * 16 * 16 * 8)  # q @ k^T and p @ v
+
+
+@pytest.mark.parametrize("channels,groups,size", [(192, 192, 2), (64, 64, 8), (64, 32, 2), (32, 1, 4)])
+def test_the_channels_last_convolution_backward_estimate_covers_what_the_allocator_sees(channels, groups, size):
+    # channels-last activations (ConvNeXt's blocks permute): oneDNN computes the weight's
+    # gradient in a layout padded per group, far more than the activations for a
+    # depthwise convolution
+    x = torch.randn(4, channels, size, size).contiguous(memory_format=torch.channels_last)
+    g = torch.randn(4, channels, size, size).contiguous(memory_format=torch.channels_last)
+    w = torch.randn(channels, channels // groups, 7, 7)
+
+    def back(g, x, w):
+        return torch.ops.aten.convolution_backward(g, x, w, None, [1, 1], [3, 3], [1, 1], False, [0, 0], groups,
+                                                    [True, True, False])
+
+    gm = make_fx(back, tracing_mode="fake")(g, x, w)
+    forget_measured_workspaces()
+    estimated = annotate_estimated_workspace(gm)["convolution_backward"]
+    measured = annotate_measured_workspace(gm, [g, x, w])["convolution_backward"]
+    forget_measured_workspaces()
+    assert measured > 0
+    assert measured <= estimated <= 2 * measured, (estimated, measured)

@@ -6,7 +6,7 @@ import torch
 from examples import models
 from graphs import CaptureError
 from graphs.capture import capture
-from graphs.measured import measure_in_schedule
+from graphs.measured import measure_in_schedule, probe_workspaces
 from solver import simulate, solve
 
 CASES = {
@@ -105,3 +105,28 @@ def test_costs_are_not_carried_to_a_step_with_other_ops():
     assert not carry_costs(ga, gb)
     assert {v: (gb[v]["time"], gb[v]["workspace"]) for v in gb.ops} == before
     assert gb.meta["time_source"] != "measured"
+def test_convolutions_measured_alone_take_the_workspaces_of_a_whole_run(monkeypatch):
+    import graphs.costs
+
+    # a rule that estimates nothing for the convolution backward; the block permutes, so
+    # the depthwise convolution runs on channels-last activations
+    monkeypatch.setitem(graphs.costs.WORKSPACE_ESTIMATES, torch.ops.aten.convolution_backward.default,
+                        lambda node: 0)
+    graphs.costs.forget_measured_workspaces()
+    torch.manual_seed(0)
+    net = torch.nn.Sequential(torch.nn.Conv2d(3, 32, 2, 2), torch.nn.Conv2d(32, 32, 7, padding=3, groups=32))
+    x = torch.randn(2, 3, 16, 16).contiguous(memory_format=torch.channels_last)
+    options = dict(backward="outputs", inplace="functional", measure_time=False, measure_workspace=False)
+    probed = capture(net, (x,), **options)
+    alone = probe_workspaces(probed).workspace
+    graphs.costs.forget_measured_workspaces()
+    whole = capture(net, (x,), **options)
+    measure_in_schedule(whole, whole.order, times=False)
+    graphs.costs.forget_measured_workspaces()
+    convs = [v for v in probed.ops if str(probed[v].get("group") or v).startswith("convolution")]
+    backs = [v for v in convs if probed[v].get("group") == "convolution_backward"]
+    assert "convolution_backward" in alone and backs
+    assert max(probed[v]["workspace"] for v in backs) > 1024 * 32 * 49 // 2  # the padded weight gradient
+    for v in convs:
+        # alone, an op allocates what it does inside the step, to the allocator's rounding
+        assert probed[v]["workspace"] == pytest.approx(whole[v]["workspace"], rel=0.05, abs=4096), v
