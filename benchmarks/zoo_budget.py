@@ -199,12 +199,16 @@ def row_at(model, inputs, loss_fn, frac: float, plain_peak: int, grads: dict) ->
 
     try:
         fast, row["planning"] = optimize(budget)
-        if isinstance(fast, solver.InfeasibleBudget):  # its counted peak kept; planned at the budget it names
-            row["refused_planning"] = row["planning"]
+        # a refusal's counted peak kept; planned at the budget it names (a refusal before
+        # capture, BelowResident, names a lower bound: the next one names what works)
+        for _ in range(2):
+            if not isinstance(fast, solver.InfeasibleBudget):
+                break
+            row["refused_planning"] = max(row.get("refused_planning", 0), row["planning"])
             row["named"] = budget = fast.smallest_feasible_bytes
             fast, row["planning"] = optimize(budget)
-            if isinstance(fast, Exception):
-                raise fast
+        if isinstance(fast, Exception):
+            raise fast
         row.update(used=budget, report=fast.report.planning_peak_bytes, mode=fast.report.mode,
                    method=fast.report.method, notes=list(fast.report.notes))
         _, row["step"] = counted(lambda: step(fast, inputs, loss_fn), resident)
