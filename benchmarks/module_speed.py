@@ -11,7 +11,7 @@ mode="module")`` at ``--fraction`` (default 0.7) of the plain step's allocator p
   change in the machine's load touches all of them alike;
 * module mode's plan (an action per block) and the seconds it took, as ``optimize``
   plans it (priced with one block's measured seconds under each action:
-  :func:`solver.planning.measure_blocks`) and priced from the graph alone (that
+  :func:`solver.join.planning.measure_blocks`) and priced from the graph alone (that
   measurement left out), with the seconds the measurement took.
 
 Usage::
@@ -140,7 +140,7 @@ class _block_seconds:
         self.measuring, self.spent = measuring, []
 
     def __enter__(self) -> list:
-        import solver.planning as planning
+        import solver.join.planning as planning
 
         self.planning, self.real = planning, planning.measure_blocks
 

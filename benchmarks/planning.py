@@ -73,8 +73,8 @@ def _run(layers: int, mode: str, queue) -> None:
     import torch
 
     import solver
-    import solver.checks as checks
-    import solver.planning as planning
+    import solver.join.checks as checks
+    import solver.join.planning as planning
     from graphs.graph_mode import ScheduledStep
     from examples.models import hf_llama
     from graphs import capture

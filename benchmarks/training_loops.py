@@ -81,7 +81,7 @@ def _loop(case: str, steps: int, queue) -> None:
 
     torch.set_num_threads(1)
     import solver
-    import solver.planning as planning
+    import solver.join.planning as planning
     from graphs.memory import settle_open_judges
     from graphs.units import GiB
 

@@ -25,7 +25,7 @@ sys.path.insert(0, str(pathlib.Path(__file__).resolve().parents[1]))
 
 from examples.models import gpt  # noqa: E402
 from graphs.units import MiB  # noqa: E402
-from solver.optimize_model import optimize, verify  # noqa: E402
+from solver.join.optimize_model import optimize, verify  # noqa: E402
 
 
 def main() -> None:

@@ -512,7 +512,7 @@ def measure_block_actions(model: nn.Module, args: tuple, kwargs: Mapping[str, An
                     t = once(a)
                     if k >= warmup:
                         times[a].append(t)
-    finally:  # the gradients and buffers as found (graphs does not use solver.checks.step_undone)
+    finally:  # the gradients and buffers as found (graphs does not use solver.join.checks.step_undone)
         for p, g in zip(params, grads):
             p.grad = g
         with torch.no_grad():

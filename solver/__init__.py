@@ -9,7 +9,6 @@ The algorithms see only a :class:`graphs.ComputeGraph` (pure graph math);
 import solver.methods as _method_package  # noqa: F401  (registers every method)
 from solver.errors import BudgetNotReached, InfeasibleBudget, NoScheduleFound, OptionError, RematError, SolverError
 from solver.feasibility import peak_lower_bound
-from solver.fixed import optimizer_state_bytes
 from solver.registry import MethodInfo, register
 from solver.solving import get_method, methods, solve
 from solver.schedule import Action, Offload, Schedule, TensorDecision
@@ -20,12 +19,12 @@ from solver.policy import LayerAction, LayerPolicy, policy
 
 
 def __getattr__(name):
-    # optimize/verify join the solvers with torch: imported on first use, so that
-    # ``import solver`` stays free of torch
-    if name in ("optimize", "verify", "Report"):
+    # optimize/verify join the solvers with torch (the package solver.join): imported on
+    # first use, so that ``import solver`` stays free of torch
+    if name in ("optimize", "verify", "Report", "optimizer_state_bytes"):
         import importlib
 
-        return getattr(importlib.import_module("solver.optimize_model"), name)
+        return getattr(importlib.import_module("solver.join.optimize_model"), name)
     raise AttributeError(f"module 'solver' has no attribute {name!r}")
 
 __all__ = [

@@ -213,7 +213,7 @@ def _model_target(args) -> tuple:
         return model, kw
     conf = _hf_config(args.model, args)
     if args.captured:
-        from solver.models import META_DTYPES, meta_model
+        from solver.join.models import META_DTYPES, meta_model
 
         if args.dtype is not None and args.dtype not in META_DTYPES:
             raise CLIError(f"--dtype {args.dtype!r}: use {', '.join(META_DTYPES)}")

@@ -7,7 +7,7 @@ warnings of what the target cannot express. When a target cannot express the pol
 the exporter picks among the settings it *can* express the cheapest one that still fits
 the policy's budget (a superset of the recomputation, hence of the memory savings), and
 says which. Nothing here imports torch: :func:`apply_hf` runs a plan through
-:func:`solver.models.apply_hf_actions` and :func:`sac_policy_fn` is
+:func:`solver.join.models.apply_hf_actions` and :func:`sac_policy_fn` is
 :func:`graphs.module_mode.selective_policy`.
 """
 
@@ -166,7 +166,7 @@ def apply_hf(model: Any, policy: LayerPolicy) -> Any:
     :func:`torch.autograd.graph.save_on_cpu` (no recomputation); ``none`` layers run as
     they are. HF's public checkpointing switch (``activation_checkpointing_enable``)
     and the per-layer ``gradient_checkpointing`` flags carry the plan where they can
-    express it; see :func:`solver.models.apply_hf_actions` for the rest. The layers act
+    express it; see :func:`solver.join.models.apply_hf_actions` for the rest. The layers act
     in training mode with gradients enabled only.
 
     Parameters
@@ -184,7 +184,7 @@ def apply_hf(model: Any, policy: LayerPolicy) -> Any:
     SolverError
         When the model's decoder-layer count differs from the policy's.
     """
-    from solver.models import apply_hf_actions
+    from solver.join.models import apply_hf_actions
 
     return apply_hf_actions(model, policy.actions)
 

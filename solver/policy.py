@@ -57,7 +57,7 @@ from solver.analytic import TransformerConfig
 from solver.errors import InfeasibleBudget, SolverError
 
 if TYPE_CHECKING:
-    from solver.models import CapturedModel
+    from solver.join.models import CapturedModel
 
 __all__ = ["LayerAction", "LayerOption", "StagePlan", "LayerPolicy", "policy", "build_planner", "budget_bytes_of", "check_batch_options",
            "SCHEDULES", "GraphPlanner", "build_graph_planner", "layer_blocks",
@@ -522,8 +522,8 @@ class GraphPlanner:
 
     Parameters
     ----------
-    captured : solver.models.CapturedModel
-        The step, captured by :func:`solver.models.capture_module` (this class sees only
+    captured : solver.join.models.CapturedModel
+        The step, captured by :func:`solver.join.models.capture_module` (this class sees only
         its DAG and a few numbers: it never touches the module).
     optimizer, hardware, allow_offload, world_size, sharding :
         As for :func:`policy`.
@@ -677,7 +677,7 @@ def build_graph_planner(model: Any, *, example_inputs: Any = None, seq_len: int 
                         measure_time: bool = False, loss_fn: Any = None, world_size: int | None = None,
                         sharding: str | None = None) -> GraphPlanner:
     """The planner behind :func:`policy` and :func:`solver.estimate.estimate` for a real
-    ``nn.Module``: its training step captured by :func:`solver.models.capture_module`
+    ``nn.Module``: its training step captured by :func:`solver.join.models.capture_module`
     (the one way this module reaches torch) on ``example_inputs`` (default for an HF
     model: ``input_ids``/``labels`` of shape ``(micro_batch, seq_len)``).
 
@@ -689,7 +689,7 @@ def build_graph_planner(model: Any, *, example_inputs: Any = None, seq_len: int 
     >>> pl.blocks, pl.evaluate(["none"] * 3)[1].valid
     (['0', '1', '2'], True)
     """
-    from solver.models import capture_module
+    from solver.join.models import capture_module
 
     opts = dict(world_size=world_size, sharding=sharding, hardware=hardware, allow_offload=allow_offload)
     hw = _graph_options(**opts)[2]  # a bad option is refused before the capture

@@ -35,7 +35,7 @@ class Report:
     prediction (a note says so), and ``predicted_peak_bytes`` is that plan's.
     ``step_peak_bytes`` is the allocator's peak of the first real training step of the
     plan, from its forward to the end of its backward, the user's loss included
-    (:mod:`solver.watch`). ``capture_seconds`` is the tracing of the step,
+    (:mod:`solver.join.watch`). ``capture_seconds`` is the tracing of the step,
     ``measure_seconds`` the runs that measure its op times and workspaces,
     ``solve_seconds`` the schedule's search, and ``check_seconds`` the rest of planning:
     the rewrite built, its gradients checked and its steps measured (and any plan made

@@ -19,12 +19,12 @@ PACKAGES = ("graphs", "solver")
 
 #: the solver's pure graph math: schedules, the judge, the method table and every method
 PURE = ["solver.schedule", "solver.simulate", "solver.registry", "solver.solving", "solver.grading",
-        "solver.indexed", "solver.feasibility", "solver.synthetic", "solver.report", "solver.fixed"]
+        "solver.indexed", "solver.feasibility", "solver.synthetic", "solver.report"]
 
 #: the trainer policies: they price plans on a DAG; a real module is captured, built or
 #: changed by :data:`POLICY_JOIN` alone
 TRAINER_POLICY = ["solver.analytic", "solver.policy", "solver.estimate", "solver.exporters"]
-POLICY_JOIN = "solver.models"
+POLICY_JOIN = "solver.join.models"
 
 
 def _modules() -> dict[str, Path]:
@@ -94,7 +94,7 @@ def test_the_trainer_policies_and_the_cli_never_import_torch_themselves():
 def test_the_trainer_policies_reach_capture_only_through_their_join_module():
     g = import_graph(_modules())
     torch_side = {"graphs.capture", "graphs.graph_mode", "graphs.torch_internals", "graphs.planned",
-                  "solver.planning", "solver.optimize_model"}
+                  "solver.join.planning", "solver.join.optimize_model"}
     crossing = [(a, b) for a in TRAINER_POLICY for b in g.successors(a) if b in torch_side]
     assert crossing == []
     assert g.has_edge("solver.policy", POLICY_JOIN) and g.has_edge(POLICY_JOIN, "graphs.capture")
@@ -113,6 +113,18 @@ def test_the_pure_solver_and_every_method_import_without_torch():
     assert "solver.methods.auto" in methods and "solver.methods.eviction" in methods
     code = ("import sys\n" + "".join(f"import {m}\n" for m in PURE + methods)
             + "import solver\nsolver.methods()\nprint(sorted(k for k in sys.modules if k.split('.')[0] == 'torch'))")
+    out = subprocess.run([sys.executable, "-c", code], cwd=ROOT, capture_output=True, text=True, check=True)
+    assert out.stdout.strip() == "[]"
+
+
+def test_torch_is_imported_by_the_join_package_alone():
+    mods = _modules()
+    outside = sorted(m for m in mods if m.startswith("solver") and not m.startswith("solver.join"))
+    assert "solver.policy" in outside and "solver.join.planning" in mods
+    importing = [m for m in outside if "torch" in _imported_roots(mods[m])]
+    assert importing == []
+    code = ("import sys\n" + "".join(f"import {m}\n" for m in outside)
+            + "print(sorted(k for k in sys.modules if k.split('.')[0] == 'torch'))")
     out = subprocess.run([sys.executable, "-c", code], cwd=ROOT, capture_output=True, text=True, check=True)
     assert out.stdout.strip() == "[]"
 

@@ -215,7 +215,7 @@ def optimize_worker(rank: int, world: int, port: int, out_dir: str, sharding: st
 
     from examples.models import gpt
     from graphs.units import GiB
-    from solver import optimize_model
+    from solver.join import optimize_model
 
     _init(rank, world, port)
     try:
@@ -239,7 +239,7 @@ def optimize_worker(rank: int, world: int, port: int, out_dir: str, sharding: st
         res = _train_and_measure(rank, world, wrapped, wrapped.parameters, full_grad, batch, ref, None,
                                  rep.predicted_peak_bytes)
         if sharding == "ddp":  # a deep copy of the planned module (an EMA) plans into its own session
-            from solver.verification import SESSION
+            from solver.join.verification import SESSION
 
             twin = copy.deepcopy(wrapped.module)
             res["copy_session_apart"] = twin.__dict__.get(SESSION) not in (None, wrapped.__dict__.get(SESSION))

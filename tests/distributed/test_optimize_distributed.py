@@ -46,7 +46,7 @@ def test_graph_mode_under_fsdp_refused_before_anything():
 
     from examples.models import gpt
     from graphs.distributed import DistributedPlanError
-    from solver.optimize_model import optimize
+    from solver.join.optimize_model import optimize
 
     model, batch = gpt(n_layer=2, d=32, seq=16, batch=2, dropout=0.0)
     before = {k: v.clone() for k, v in model.state_dict().items()}

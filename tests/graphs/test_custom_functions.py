@@ -12,7 +12,7 @@ import solver
 from graphs import CaptureError
 from graphs.capture import capture
 from graphs.units import GiB
-from solver.checks import measured_peak
+from solver.join.checks import measured_peak
 
 
 class Times10(torch.autograd.Function):
@@ -167,7 +167,7 @@ def test_the_self_check_compares_with_the_models_own_step_where_checkpointing_do
 
 
 def test_the_offloaded_reference_gives_eager_gradients_in_less_memory():
-    from solver.checks import reference_step
+    from solver.join.checks import reference_step
 
     torch.manual_seed(0)
     model, inputs = Flat(GatedSaved), (torch.randn(512, 64),)

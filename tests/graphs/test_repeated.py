@@ -21,7 +21,7 @@ LAYERS = 6
 def llama():
     from transformers import LlamaConfig
 
-    from solver.models import hf_example_inputs, meta_model
+    from solver.join.models import hf_example_inputs, meta_model
 
     cfg = LlamaConfig(num_hidden_layers=LAYERS, hidden_size=32, num_attention_heads=2, intermediate_size=64,
                       vocab_size=64, use_cache=False)
@@ -68,7 +68,7 @@ def test_repeated_graph_has_the_whole_capture_figures(both):
 
 
 def test_repeated_graph_prices_every_plan_as_the_whole(llama, both):
-    from solver.models import capture_module
+    from solver.join.models import capture_module
     from solver.policy import GraphPlanner
 
     model, batch = llama
@@ -257,7 +257,7 @@ def test_a_joint_graph_run_without_aotautograds_runtime_peaks_as_it_does():
     from graphs.repeated import Stitched
     from graphs.rewrite import is_tangent, replay_random_ops
     from solver import solve
-    from solver.checks import measured_peak
+    from solver.join.checks import measured_peak
 
     model, batch = hf_llama(n_layer=2, d=64, n_head=4, seq=128, batch=4, vocab=256)
     cg = capture(model, (), example_kwargs=batch, **_RUN)

@@ -11,7 +11,7 @@ import solver
 from graphs.capture import capture
 from graphs.measured import measure_in_schedule
 from graphs.units import GiB
-from solver.checks import measured_peak
+from solver.join.checks import measured_peak
 
 
 class ScaledBlock(nn.Module):

@@ -12,10 +12,10 @@ from torch import nn
 
 import solver
 from graphs.units import GiB
-from solver import planning
+from solver.join import planning
 from solver.budget import BelowResident, Budget
 from solver.errors import OptionError
-from solver.optimize_model import resident_floor
+from solver.join.optimize_model import resident_floor
 
 
 #: forward calls per model (a count kept outside the model, which planning checks for changes)

@@ -6,7 +6,7 @@ import torch
 from torch import nn
 
 from graphs.memory import AllocatorPeak, resident_bytes
-from solver.checks import PlanningInputs, reference_step, reproduces
+from solver.join.checks import PlanningInputs, reference_step, reproduces
 
 
 def test_planning_copies_of_the_inputs_hold_no_memory_until_written():

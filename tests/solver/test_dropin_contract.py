@@ -296,9 +296,9 @@ def test_the_plan_cache_keeps_the_most_recently_used_plans_and_notes_a_plan_made
 # ---------------------------------------------------------------- self-check fallback
 
 def _failing_self_check(monkeypatch):
-    import solver.planning
+    import solver.join.planning
 
-    monkeypatch.setattr(solver.planning, "self_check", lambda *a, **k: False)
+    monkeypatch.setattr(solver.join.planning, "self_check", lambda *a, **k: False)
 
 
 def test_a_rewrite_that_fails_the_self_check_falls_back_to_module_mode(monkeypatch):

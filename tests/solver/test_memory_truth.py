@@ -1,5 +1,5 @@
 """The budget holds as the allocator counts it: op workspaces, the user's own loss, and
-the closed loop on the real training step (:mod:`solver.watch`)."""
+the closed loop on the real training step (:mod:`solver.join.watch`)."""
 
 from __future__ import annotations
 
@@ -264,7 +264,7 @@ def test_on_meta_tensors_the_report_says_the_workspaces_are_estimated():
 def test_module_mode_prices_a_model_of_alike_layers_as_a_capture_of_every_layer(monkeypatch):
     """Module mode captures four of six alike layers and writes the rest: the step it
     plans on is the whole capture's (ops, charges, store-all peak, every layer plan)."""
-    import solver.planning as planning
+    import solver.join.planning as planning
     from graphs.module_mode import layer_blocks
     from solver.module_plan import checkpoint_view, plan_modules, plan_schedule
 

@@ -73,7 +73,7 @@ def test_measuring_schedule_does_not_depend_on_the_search_time(monkeypatch):
     lowest-peak search is cut short, as on a loaded machine: a search cut at once stops
     at the orders' own peak."""
     from solver.methods import minpeak
-    from solver.planning import MEASURE_MARGIN, lowest_peak_sequence
+    from solver.join.planning import MEASURE_MARGIN, lowest_peak_sequence
 
     g = training_chain(24)
     store_all = solver.simulate(g, g.order).peak_bytes

@@ -11,7 +11,7 @@ from torch import nn
 
 import solver
 from graphs.units import GiB
-from solver.checks import measured_peak
+from solver.join.checks import measured_peak
 
 
 class Block(nn.Module):

@@ -13,7 +13,7 @@ from graphs.capture import capture, default_loss
 from graphs.units import GiB
 from solver import InfeasibleBudget, simulate
 from solver.methods.minpeak import smallest_feasible_peak
-from solver.optimize_model import resident_floor
+from solver.join.optimize_model import resident_floor
 
 # activation-heavy sizes, so that recomputation matters next to the parameters
 ZOO = {
@@ -156,7 +156,7 @@ def test_recomputation_really_happens_below_store_all():
 
 
 def test_auto_plans_with_the_planning_gap_tolerance_or_the_one_given(monkeypatch):
-    import solver.planning as planning
+    import solver.join.planning as planning
 
     seen = []
     real = planning.solve
@@ -304,7 +304,7 @@ def test_a_budget_of_the_reported_store_all_peak_needs_no_recomputation():
 
 
 def test_a_planning_step_is_measured_and_leaves_the_model_as_found():
-    from solver.checks import measured_peak
+    from solver.join.checks import measured_peak
 
     model, inputs = models.resnet(batch=2, width=4, size=16, blocks=1)  # BatchNorm: buffers move
     before = {k: v.clone() for k, v in model.state_dict().items()}
@@ -384,7 +384,7 @@ def _stub_report(predicted: int) -> "solver.Report":
 
 
 def test_a_plan_measured_over_the_budget_is_made_again_with_the_excess_as_margin():
-    from solver.checks import Session, fit_measured
+    from solver.join.checks import Session, fit_measured
 
     model, x = torch.nn.Linear(8, 8), torch.randn(4, 8)
     temp = 40_000  # bytes a plan's step allocates and its prediction does not count
@@ -417,7 +417,7 @@ def test_a_plan_measured_over_the_budget_is_made_again_with_the_excess_as_margin
 
 
 def test_no_plan_with_room_for_what_the_step_allocates_is_an_infeasible_budget():
-    from solver.checks import Session, fit_measured
+    from solver.join.checks import Session, fit_measured
 
     model, x = torch.nn.Linear(8, 8), torch.randn(4, 8)
     session = Session()
@@ -438,7 +438,7 @@ def test_where_no_plan_leaves_room_the_smallest_peaks_plan_is_taken_when_it_meas
     """The plan for the whole budget measures over it by more than any feasible plan can
     leave: the plan for the smallest peak found is measured, and taken, since it fits
     (asking for a figure an error named gets a plan even when a cheaper one measures over)."""
-    from solver.checks import Session, fit_measured
+    from solver.join.checks import Session, fit_measured
 
     model, x = torch.nn.Linear(8, 8), torch.randn(4, 8)
     session = Session()

@@ -13,10 +13,10 @@ from examples import models
 from graphs.module_mode import ModulePlanError, layer_blocks
 from graphs.units import GiB
 from solver import simulate
-from solver.checks import Session
+from solver.join.checks import Session
 from solver.methods import minpeak
 from solver.methods.blocks import per_block_schedule
-from solver.planning import Request, capture_step, plan_graph
+from solver.join.planning import Request, capture_step, plan_graph
 from solver.solving import reached_floor
 from tests.graphs import torchvision_like
 from tests.solver.test_per_block_floor import slow_search  # noqa: F401 - a fixture

@@ -14,7 +14,7 @@ from graphs.graph_mode import ScheduledStep
 from graphs.module_mode import layer_blocks
 from graphs.units import GiB
 from solver.module_plan import checkpoint_view, plan_schedule
-from solver.planning import Request, capture_step, gradient_reference
+from solver.join.planning import Request, capture_step, gradient_reference
 
 
 def _gpt():

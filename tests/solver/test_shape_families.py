@@ -12,13 +12,13 @@ import torch
 from torch import nn
 
 import solver
-import solver.planning
-from solver.optimize_model import refuse_below_resident, resident_floor
+import solver.join.planning
+from solver.join.optimize_model import refuse_below_resident, resident_floor
 from graphs.memory import settle_open_judges
 from graphs.planned import bucket_sizes, grown_inputs, input_signature, size_family
 
 
-def _counting(monkeypatch, module=solver.planning, name="_plan_step"):
+def _counting(monkeypatch, module=solver.join.planning, name="_plan_step"):
     """Counts every call of ``module.name``; by default every plan made (capture, solve
     and check), replans of the watch included."""
     made = []

@@ -136,14 +136,14 @@ def test_torch_compile_of_the_returned_module_runs_the_plan(backend):
 def test_keywords_that_change_nothing_and_smaller_sizes_share_the_plan(monkeypatch):
     """A loop whose batches vary in size and carry a keyword the forward ignores (HF
     Trainer's ``num_items_in_batch``) runs the one plan."""
-    import solver.planning
+    import solver.join.planning
 
     # a measurement an earlier test left open (its CPU profiler still running) is closed
     # now, not by this test's first watched step; this test closes its own last one
     settle_open_judges()
     made = []
-    plan = solver.planning._plan_step
-    monkeypatch.setattr(solver.planning, "_plan_step", lambda *a, **k: made.append(a[0]) or plan(*a, **k))
+    plan = solver.join.planning._plan_step
+    monkeypatch.setattr(solver.join.planning, "_plan_step", lambda *a, **k: made.append(a[0]) or plan(*a, **k))
     torch.manual_seed(0)
     model, x = _Scaled(), torch.randn(128, 64)
     fast = solver.optimize(model, 2.0, example_inputs=(x,), mode="module", measure_time=False)

@@ -15,7 +15,7 @@ from torch import nn
 import solver
 from graphs.units import GiB
 from solver.errors import OptionError
-from solver.optimize_model import resident_floor
+from solver.join.optimize_model import resident_floor
 
 
 class Scaling(nn.Module):
@@ -133,13 +133,13 @@ def test_a_compiled_module_is_refused_untouched():
     (dict(verify=True, example_inputs=None), "example_inputs"),
 ])
 def test_bad_options_are_refused_before_any_work(monkeypatch, options, match):
-    import solver.planning
+    import solver.join.planning
 
     def no_work(*args, **kwargs):
         raise AssertionError("planning started")
 
-    monkeypatch.setattr(solver.planning, "capture_step", no_work)
-    monkeypatch.setattr(solver.planning, "plan_step", no_work)
+    monkeypatch.setattr(solver.join.planning, "capture_step", no_work)
+    monkeypatch.setattr(solver.join.planning, "plan_step", no_work)
     torch.manual_seed(0)
     model, x = Plain(), torch.randn(8, 32)
     args = dict(budget_gb=1.0, example_inputs=(x,), measure_time=False)

@@ -10,7 +10,7 @@ import pytest
 import torch
 from torch import nn
 
-from solver.watch import UNSEEN_TRIES, WatchedStep
+from solver.join.watch import UNSEEN_TRIES, WatchedStep
 
 
 class FakeCuda(torch.Tensor):

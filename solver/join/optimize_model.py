@@ -3,19 +3,19 @@
 This is the one place where the solvers meet torch, read top to bottom:
 
 1. read and check every option (:func:`_read_options`; the budget as one
-   :class:`solver.budget.Budget`; data parallelism: :mod:`solver.data_parallel`), and
+   :class:`solver.budget.Budget`; data parallelism: :mod:`solver.join.data_parallel`), and
    refuse a budget below what every step holds, before any capture
    (:func:`refuse_below_resident`);
 2. wrap the model in the one lazy drop-in module (:func:`graphs.planned.wrap_planned`),
-   whose planner (:func:`solver.planning.plan_step`) captures the step
+   whose planner (:func:`solver.join.planning.plan_step`) captures the step
    (:func:`graphs.capture`), charges what it holds besides its graph
-   (:mod:`solver.fixed`), solves a schedule under the budget (:func:`solver.solve`),
+   (:mod:`solver.join.fixed`), solves a schedule under the budget (:func:`solver.solve`),
    builds the rewrite at tensor level (``mode="graph"``, :mod:`graphs.graph_mode`) or
    layer level (``mode="module"``, :mod:`graphs.module_mode`), checks it on the example
-   batch (:mod:`solver.checks`: gradients, measured peak, replan) and writes the
+   batch (:mod:`solver.join.checks`: gradients, measured peak, replan) and writes the
    :class:`solver.report.Report`;
 3. plan now when example inputs are given, else on the first training call;
-4. optionally :func:`solver.verification.verify` one real step.
+4. optionally :func:`solver.join.verification.verify` one real step.
 
 Data parallelism (``sharding="ddp"`` or ``"fsdp"``): the budget and every figure of
 the report are per rank; the plan is made on the rank's own step (its local batch) with
@@ -36,15 +36,15 @@ from torch import nn
 from graphs.graph_mode import COMPILERS
 from graphs.planned import wrap_planned
 from solver.budget import Budget, real_number
-from solver.checks import PlanningInputs, Session, split_inputs
-from solver.data_parallel import data_parallel
+from solver.join.checks import PlanningInputs, Session, split_inputs
+from solver.join.data_parallel import data_parallel
 from solver.errors import OptionError
-from solver.families import resize_step
-from solver.fixed import optimizer_state_bytes
-from solver.planning import PLANNING_GAP_TOLERANCE, Request, plan_step
+from solver.join.families import resize_step
+from solver.join.fixed import optimizer_state_bytes
+from solver.join.planning import PLANNING_GAP_TOLERANCE, Request, plan_step
 from solver.report import Report
-from solver.verification import SESSION, verify, verify_into
-from solver.watch import WATCH
+from solver.join.verification import SESSION, verify, verify_into
+from solver.join.watch import WATCH
 
 __all__ = ["optimize", "verify", "Report", "optimizer_state_bytes", "MODES"]
 
@@ -100,7 +100,7 @@ def optimize(
         Seconds for the solver.
     gap_tolerance : float, optional
         ``method="auto"`` stops once proven within this share of the least extra compute
-        (default :data:`solver.planning.PLANNING_GAP_TOLERANCE`).
+        (default :data:`solver.join.planning.PLANNING_GAP_TOLERANCE`).
     mode : {"auto", "graph", "module"}
         ``"graph"``: tensor level, exact. ``"module"``: layer level, the model's own
         blocks checkpointed (what trainers, FSDP2 and HF models compose with).
@@ -120,15 +120,15 @@ def optimize(
     self_check : bool
         Graph mode: check the rewrite's loss and gradients against the original's.
     world_size, mesh, sharding, sharding_options
-        Data parallelism, per rank (:mod:`solver.data_parallel`).
+        Data parallelism, per rank (:mod:`solver.join.data_parallel`).
     compiler : {"eager", "inductor"}
         Graph mode: the scheduled graphs as fx code or compiled by inductor in segments.
     loss_fn : callable, optional
         The loss computed outside the model, ``loss_fn(output) -> scalar``.
     watch : {"auto", "first", "every", "off"}
-        Which real steps are measured by the allocator (:mod:`solver.watch`).
+        Which real steps are measured by the allocator (:mod:`solver.join.watch`).
     dynamic : bool
-        One plan for calls that differ only in sizes (:mod:`solver.families`).
+        One plan for calls that differ only in sizes (:mod:`solver.join.families`).
     offload : bool
         Graph mode, ``method="auto"``: values may go to host memory and back.
 

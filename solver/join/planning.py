@@ -28,15 +28,15 @@ from graphs.planned import ModuleStep
 from graphs.repeated import capture_cut
 from graphs.rewrite import replay_random_ops
 from graphs.units import format_bytes
-from solver.checks import PlanningInputs, Session, fit_measured, measured_peak, self_check
+from solver.join.checks import PlanningInputs, Session, fit_measured, measured_peak, self_check
 from solver.errors import InfeasibleBudget, SolverError
-from solver.fixed import SEED_RESERVE, untracked_bytes
+from solver.join.fixed import SEED_RESERVE, untracked_bytes
 from solver.module_plan import hold_node_inputs, plan_modules
 from solver.solving import checked_budget, reached_floor, solve
 from solver.report import Report
 from solver.schedule import Schedule
 from solver.simulate import simulate
-from solver.watch import WatchedStep
+from solver.join.watch import WatchedStep
 
 __all__ = ["Captured", "Request", "plan_step", "PLANNING_GAP_TOLERANCE"]
 
@@ -64,11 +64,11 @@ class Request:
     blocks: list[str] | None = None
     measure_time: bool | None = None
     optimizer_bytes: int = 0
-    dp: Any = None  # solver.data_parallel.DataParallel
+    dp: Any = None  # solver.join.data_parallel.DataParallel
     loss_fn: Callable[[Any], Any] | None = None  # the user's loss on the model's output
-    watch: str = "auto"  # when the real step is measured (solver.watch.WATCH)
+    watch: str = "auto"  # when the real step is measured (solver.join.watch.WATCH)
     mode_pinned: bool = False  # mode was given (not None): no fallback to the other mode
-    offload: bool = False  # graph mode's auto may offload values to host memory (solver.offloading)
+    offload: bool = False  # graph mode's auto may offload values to host memory (solver.join.offloading)
 
 
 @dataclass(frozen=True)
@@ -94,7 +94,7 @@ def plan_step(model: nn.Module, args: tuple, kwargs: dict, *, request: Request, 
     less ``held_back`` bytes; the step to run (graph mode: a
     :class:`graphs.graph_mode.ScheduledStep` or the eager forward; module mode: a
     :class:`graphs.planned.ModuleStep`), in one process watched on the real training
-    step (:class:`solver.watch.WatchedStep`), its report in ``session``.
+    step (:class:`solver.join.watch.WatchedStep`), its report in ``session``.
 
     A training step is planned, whatever mode the model is in now (a model in ``eval()``
     at optimize time trains later): every module is in training mode while planning and
@@ -363,10 +363,10 @@ def held_gradient_bytes(model: nn.Module) -> int:
 def offload_only(cg: ComputeGraph, target: int, *, request: Request) -> Schedule | None:
     """With ``offload=True`` in graph mode's ``auto``, the plan that reaches ``target``
     by offloading where no recomputing schedule does
-    (:func:`solver.offloading.reach_by_offload`); None otherwise."""
+    (:func:`solver.join.offloading.reach_by_offload`); None otherwise."""
     if not (request.offload and request.method == "auto" and request.mode != "module"):
         return None
-    from solver.offloading import reach_by_offload
+    from solver.join.offloading import reach_by_offload
 
     return reach_by_offload(cg, target, time_limit=request.time_limit)
 
@@ -436,11 +436,11 @@ def gradient_reference(model: nn.Module, cap: Captured) -> tuple[Callable | None
 
     Always the model's own forward, which runs what a captured graph may not (the
     backward of its custom ``autograd.Function``\\ s): with every layer block
-    checkpointed (:func:`solver.checks.reference_step`, the default, returned as
+    checkpointed (:func:`solver.join.checks.reference_step`, the default, returned as
     ``None``); where that is predicted over the budget, the plain forward with what it
     saves for backward kept on disk (``reference_step(model, offload=True)``), whose
     device memory is about a forward's without autograd."""
-    from solver.checks import reference_step
+    from solver.join.checks import reference_step
     from solver.module_plan import BlockIndex, checkpoint_view, plan_schedule
 
     written = cap.cut is not None and cap.cut.template is not None  # the whole step's graph runs
@@ -606,7 +606,7 @@ def plan_graph(*, cap: Captured, request: Request, session: Session, method: str
         if schedule is None:
             raise
     if offload and not schedule.offloads:
-        from solver.offloading import with_offload
+        from solver.join.offloading import with_offload
         schedule = with_offload(cg, one_run_per_op(cg, schedule, target), target, time_limit=request.time_limit)
     eager = schedule.sequence == list(cg.order) and not schedule.offloads  # the original forward runs it as it is
     checked = original_peak() if eager and original_peak is not None else None
@@ -624,7 +624,7 @@ def plan_graph(*, cap: Captured, request: Request, session: Session, method: str
                              headroom=headroom(cg, schedule, target) if request.compiler != "eager" else 0)
     session.report = _graph_report(cap=cap, schedule=schedule, store_all=store_all, solve_seconds=solve_s)
     if schedule.offloads:
-        from solver.offloading import offload_note
+        from solver.join.offloading import offload_note
         session.report.notes.append(offload_note(cg, schedule))
     _graph_notes(session.report, step=step, eager=eager, over=over, checked=checked, compiler=request.compiler)
     return step

@@ -20,7 +20,7 @@ from graphs.capture import default_loss
 from graphs.memory import AllocatorPeak, judge_available, resident_bytes, storage_address
 from graphs.units import format_bytes
 from solver.errors import InfeasibleBudget, SolverError
-from solver.fixed import untracked_bytes
+from solver.join.fixed import untracked_bytes
 from solver.report import Report
 
 __all__ = ["Session", "PlanningInputs", "Reproduction", "buffers_kept", "forwards_kept", "GradientPrint", "fit_measured", "measured_peak", "reproduces", "self_check", "step_undone"]

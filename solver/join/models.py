@@ -3,7 +3,7 @@
 The trainer-policy layer (:mod:`solver.analytic`, :mod:`solver.policy`,
 :mod:`solver.estimate`, :mod:`solver.exporters`) prices plans on a DAG and never imports
 torch. What needs a real ``nn.Module`` lives here, in the join layer beside
-:mod:`solver.planning`, and is reached through one function each:
+:mod:`solver.join.planning`, and is reached through one function each:
 
 - :func:`capture_module`: a module's training step captured for pricing, a
   :class:`CapturedModel` (the DAG and the few facts of the module the prices need); what

@@ -15,7 +15,7 @@ Why the decisions still fit: the memory of the common layers grows with the size
 their inputs (every tensor of a smaller call is no larger than its counterpart), so
 the plan's peak bounds the smaller call's. That is checked rather than assumed: a
 graph-mode sequence is simulated on the new capture and must fit the budget, and the
-watch (:class:`solver.watch.WatchedStep`) measures the first real step at every new
+watch (:class:`solver.join.watch.WatchedStep`) measures the first real step at every new
 size by the allocator; a step over the budget plans again for its own sizes.
 """
 
@@ -29,10 +29,10 @@ from torch import nn
 from graphs.compute_graph import BACKWARD_START, ComputeGraph
 from graphs.graph_mode import ScheduledStep
 from graphs.planned import ModuleStep
-from solver.checks import PlanningInputs
+from solver.join.checks import PlanningInputs
 from solver.schedule import Schedule
 from solver.simulate import simulate
-from solver.watch import WatchedStep
+from solver.join.watch import WatchedStep
 
 __all__ = ["resize_step", "same_graph"]
 
@@ -71,12 +71,12 @@ def resize_step(model: nn.Module, step: Any, args: tuple, kwargs: dict, *, reque
     Parameters
     ----------
     model : torch.nn.Module
-    step : solver.watch.WatchedStep
-        A plan's step (:func:`solver.planning.plan_step`); where the watch planned it
+    step : solver.join.watch.WatchedStep
+        A plan's step (:func:`solver.join.planning.plan_step`); where the watch planned it
         again, the latest plan is used.
     args, kwargs
         The call.
-    request : solver.planning.Request
+    request : solver.join.planning.Request
 
     Returns
     -------
@@ -94,7 +94,7 @@ def resize_step(model: nn.Module, step: Any, args: tuple, kwargs: dict, *, reque
     >>> len(fast.remat_steps), fast.report.notes[-1].startswith("planned again")
     (2, False)
     """
-    from solver.planning import plan_step
+    from solver.join.planning import plan_step
 
     while isinstance(step, WatchedStep) and step._replaced is not None:
         step = step._replaced
@@ -122,7 +122,7 @@ def _recaptured(model: nn.Module, inner: ScheduledStep, args: tuple, kwargs: dic
     None where the capture differs or the sequence does not fit there."""
     from graphs.rewrite import replay_random_ops
     from graphs.torch_internals import module_hooks_off
-    from solver.planning import capture_step, headroom, training_mode
+    from solver.join.planning import capture_step, headroom, training_mode
 
     schedule = getattr(report, "schedule", None)
     if report is None or report.graph is None or schedule is None:

@@ -41,7 +41,7 @@ from graphs import RematError
 from graphs.memory import AllocatorPeak, resident_bytes, settle_open_judges
 from graphs.torch_internals import at_backward_end, tree_leaves
 from graphs.units import format_bytes
-from solver.fixed import untracked_bytes
+from solver.join.fixed import untracked_bytes
 
 __all__ = ["WATCH", "WatchedStep", "DevicePeak", "step_device", "UNSEEN_TRIES"]
 
@@ -139,7 +139,7 @@ class WatchedStep:
     replan : callable
         ``replan(held_back) -> WatchedStep``: the plan made again for the budget less
         ``held_back`` bytes.
-    session : solver.checks.Session
+    session : solver.join.checks.Session
         Whose report holds the budget and gets the notes.
     watch : {"auto", "first", "every", "off"}
     held_back : int

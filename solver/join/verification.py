@@ -13,8 +13,8 @@ from torch import nn
 
 from graphs.capture import default_loss
 from graphs.memory import AllocatorPeak
-from solver.checks import split_inputs, step_undone
-from solver.fixed import untracked_bytes
+from solver.join.checks import split_inputs, step_undone
+from solver.join.fixed import untracked_bytes
 from solver.report import Report
 
 __all__ = ["verify"]

@@ -14,8 +14,8 @@ from graphs.actions import LayerAction
 from graphs.fixed import charge
 from graphs.module_mode import layer_blocks
 from graphs.planned import wrap_planned
-from solver.checks import Session
-from solver.fixed import SEED_RESERVE
+from solver.join.checks import Session
+from solver.join.fixed import SEED_RESERVE
 from solver.report import Report
 
 __all__ = ["DataParallel", "data_parallel"]
