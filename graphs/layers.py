@@ -15,7 +15,9 @@ kind (alike modules share it) and a weight (parameters, or the compute its ops t
 3. alike attributes of a module that is not a list (an encoder and a decoder) whose
    members each hold a candidate of layers give way to those layers (T5's blocks, not
    its two stacks);
-4. further candidates that hold as much as a fifth of the winner's weight and overlap
+4. where the winner's members are layers, every other module of their kind that
+   overlaps none chosen joins them (a ConvNeXt's lighter stages, a stage of one block);
+5. further candidates that hold as much as a fifth of the winner's weight and overlap
    none chosen join it (an encoder's and a decoder's layers).
 
 The same rule runs on a model (:func:`graphs.module_mode.layer_blocks`, kinds from
@@ -136,6 +138,12 @@ def pick_layers(modules: Mapping[str, ModuleInfo]) -> list[str]:
     candidates.sort(key=lambda c: c[0], reverse=True)
     (composite, share, _), chosen = candidates[0]
     chosen = list(chosen)
+    if composite and not any(modules[m].listlike for m in chosen):
+        # the same layer elsewhere is a layer too, however light (a ConvNeXt's or an
+        # EfficientNet's earlier stages, a stage of one block)
+        kinds = {modules[m].kind for m in chosen}
+        chosen.extend(p for p in modules if p not in chosen and children[p] and modules[p].kind in kinds
+                      and not any(_nested(p, c) for c in chosen))
     for (comp, s, _), members in candidates[1:]:
         if comp != composite or s < JOIN_SHARE * share:
             continue

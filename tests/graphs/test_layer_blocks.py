@@ -10,12 +10,25 @@ from graphs.layers import graph_layer_blocks, node_blocks
 from graphs.module_mode import ModulePlanError, layer_blocks
 from graphs.errors import RematError
 from examples.models import unet
-from tests.graphs.torchvision_like import resnet18, vit
+from tests.graphs.torchvision_like import convnext, efficientnet, resnet18, vit
 
 
 def test_resnet18_gives_every_block_of_every_stage():
     model = resnet18()
     assert layer_blocks(model) == [f"layer{s}.{i}" for s in range(1, 5) for i in range(2)]
+
+
+def test_convnext_gives_the_blocks_of_every_stage_not_the_heaviest_alone():
+    # the last stages hold most of the parameters (widths 8 to 64): their blocks win, and
+    # the lighter stages' blocks of the same kind join them
+    model = convnext(depths=(2, 2, 6, 2))
+    assert layer_blocks(model) == [f"features.{2 * s + 1}.{i}" for s, n in enumerate((2, 2, 6, 2)) for i in range(n)]
+
+
+def test_efficientnet_gives_every_block_and_none_of_their_parts():
+    model = efficientnet()
+    stages = [(i, len(model.features[i])) for i in range(1, len(model.features) - 1)]
+    assert layer_blocks(model) == [f"features.{i}.{k}" for i, n in stages for k in range(n)]
 
 
 def test_vit_gives_the_encoder_layers_not_an_mlp():
@@ -92,8 +105,9 @@ def test_policy_layer_blocks_is_the_same():
 @pytest.mark.parametrize("build, args", [
     (lambda: resnet18(), lambda: (torch.randn(2, 3, 32, 32),)),
     (lambda: vit(num_layers=3), lambda: (torch.randn(2, 3, 32, 32),)),
+    (lambda: convnext(depths=(1, 1, 3, 1)), lambda: (torch.randn(2, 3, 32, 32),)),
     (lambda: unet()[0], lambda: unet()[1]),  # its middle is a Sequential of single ops
-], ids=["resnet18", "vit", "unet"])
+], ids=["resnet18", "vit", "convnext", "unet"])
 def test_the_dag_gives_the_blocks_the_model_does(build, args):
     from graphs.capture import capture
 
