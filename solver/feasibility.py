@@ -286,8 +286,8 @@ def run_once_held(graph: ComputeGraph, culprit: Hashable) -> str | None:
 #: that runs out proves nothing).
 PROBE_SECONDS = 0.5
 #: Graphs with more ops than this are not searched by :func:`last_computed_peak_bound`
-#: (nothing is proven): on a 10,000-op training graph the sets held by the search took
-#: gigabytes and the search ran seconds past its limit.
+#: (nothing is proven): the sets the search holds grow past what a time limit stops
+#: (docs/tuning.md).
 LAST_COMPUTED_MAX_OPS = 2000
 
 

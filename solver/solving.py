@@ -319,9 +319,8 @@ CHAIN_SECONDS = 0.5
 #: Below this many seconds left, a failure is raised without looking for figures.
 FIGURES_MIN_SECONDS = 0.05
 #: Seconds at most (and share of the time limit) for the probe that rules a budget out
-#: before an exact method starts (:func:`solver.feasibility.last_computed_rules_out`:
-#: 0.01 s where it proves on a captured ResNet; on a 4-layer LM it proves nothing and
-#: runs out its slice).
+#: before an exact method starts (:func:`solver.feasibility.last_computed_rules_out`;
+#: docs/tuning.md).
 EXACT_PROBE_SECONDS = 0.1
 EXACT_PROBE_SHARE = 0.02
 

@@ -49,7 +49,7 @@ log = logging.getLogger(__name__)
 #: The margins :func:`cover` tries, of the budget left below it for recomputations.
 MARGINS = (0.0, 0.01, 0.02, 0.05)
 #: With a time limit, the share of the time left that the MILP of one margin may take
-#: (the relief after it takes the rest: a second on a captured 32-layer Llama).
+#: (the relief after it takes the rest; docs/tuning.md).
 KEEP_SHARE = 0.7
 #: A closure may hold at most this many ops (past it the value is not a candidate).
 MAX_CLOSURE = 64

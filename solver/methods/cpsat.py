@@ -52,8 +52,7 @@ SMALL_GRAPH = 12
 #: A model may take this share of the time left to build; the rest is for solving.
 BUILD_SHARE = 0.8
 #: Seconds CP-SAT takes to take in a model (copy and presolve, which its time limit does
-#: not stop), per second spent building it: 1.7 on a 1,500-layer chain (3,001 ops), whose
-#: model of 0.95 s took 2.3 s to solve with a limit of 0.8 s.
+#: not stop), per second spent building it (docs/tuning.md).
 LOAD_PER_BUILD = 2.0
 
 

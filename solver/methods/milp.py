@@ -64,7 +64,7 @@ __all__ = ["checkmate_milp", "lp_lower_bound", "lower_bound", "stage_end_lower_b
 log = logging.getLogger(__name__)
 
 #: Model building may use this share of the time left: handing a model to the backend
-#: takes up to about a quarter of its build time again (SCIP, measured), then it solves.
+#: takes up to about a quarter of its build time again (docs/tuning.md), then it solves.
 BUILD_SHARE = 0.7
 #: Seconds the backend takes to load a model, per second spent building it.
 LOAD_PER_BUILD = {"SCIP": 0.25, "CBC": 0.25, "CP_SAT": 0.25}
