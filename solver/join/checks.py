@@ -17,7 +17,7 @@ from torch import nn
 
 from graphs import RematError
 from graphs.capture import default_loss
-from graphs.memory import AllocatorPeak, judge_available, resident_bytes, storage_address
+from graphs.memory import AllocatorPeak, generators_kept, judge_available, resident_bytes, storage_address
 from graphs.units import format_bytes
 from solver.errors import InfeasibleBudget, SolverError
 from solver.join.fixed import untracked_bytes
@@ -209,15 +209,11 @@ def step_undone(model: nn.Module, *, inputs: PlanningInputs | None = None,
 @contextlib.contextmanager
 def rng_forked() -> Iterator[list[torch.Tensor]]:
     """The random generators (CPU, and CUDA once initialized) put back as found after
-    the block, as ``torch.random.fork_rng``; yields the saved states it holds."""
-    cuda = torch.cuda.is_available() and torch.cuda.is_initialized()
-    states = [torch.get_rng_state()] + (list(torch.cuda.get_rng_state_all()) if cuda else [])
-    try:
-        yield states
-    finally:
-        torch.set_rng_state(states[0])
-        if cuda:
-            torch.cuda.set_rng_state_all(states[1:])
+    the block, as ``torch.random.fork_rng``; their states are kept as host bytes
+    (:func:`graphs.memory.generators_kept`), so the list of tensors it yields, what it
+    holds in the allocator, is empty."""
+    with generators_kept():
+        yield []
 
 
 def measured_peak(model: nn.Module, run: Callable[[], Any], args: tuple, kwargs: dict, *,
