@@ -84,18 +84,21 @@ def test_the_smallest_peak_named_is_no_floors_and_planning_there_holds_it(name, 
     assert fast.report.step_peak_bytes <= named, (fast.report.step_peak_bytes, named)
 
 
-def test_a_figure_named_is_met_by_the_plan_that_measured_it(monkeypatch):
+@pytest.mark.parametrize("mode,kind", [("module", "floor"), ("graph", "smallest")])
+def test_a_figure_named_is_met_by_the_plan_that_measured_it(monkeypatch, mode, kind):
     """Planning for a figure a refusal named runs that plan first: no plan that would
     measure over it runs (a module-mode plan with selective checkpointing can measure
-    over its prediction)."""
+    over its prediction; the timed search of graph mode, on a loaded machine, can find
+    another schedule whose step measures a little over its simulation)."""
     import solver.join.checks as checks
 
     model, args, kwargs, loss_fn = _tiny_llama()
-    named = _named(model, args, kwargs, loss_fn, "module")
+    named = _named(model, args, kwargs, loss_fn, mode)
     made = []
     real = checks._recipe_plan
     monkeypatch.setattr(checks, "_recipe_plan", lambda *a, **k: made.append(a[0]) or real(*a, **k))
-    fast = solver.optimize(model, named / GiB, kwargs, mode="module", measure_time=False)
-    assert made and made[0][0] == "floor", made
+    fast = solver.optimize(model, named / GiB, kwargs, mode=mode, measure_time=False)
+    assert made and made[0][0] == kind, made
     assert any("the plan that measured it" in n for n in fast.report.notes), fast.report.notes
-    assert fast.report.checked_peak_bytes == named
+    assert fast.report.checked_peak_bytes <= named
+    assert fast.report.planning_peak_bytes <= named
