@@ -465,6 +465,8 @@ def _measured_smallest(model: nn.Module, exc: InfeasibleBudget, *, budget: int, 
         return exc
     least, recipe = min(measured, key=lambda m: m[0])
     named = max(least, session.planning_peak or 0)  # (the plan measured within it)
+    if recipe[0] == "smallest":  # nor below the peak the search found: its plan is predicted within the figure
+        named = max(named, exc.smallest_feasible_bytes)
     _NAMED.setdefault(model, {})[_named_key(args, kwargs, named, floors)] = recipe
     if named == exc.smallest_feasible_bytes:
         return exc
