@@ -253,9 +253,9 @@ def fit_measured(model: nn.Module, *, make: Callable[[int], Any], run: Callable[
     budget from the start, so that the step measured is within it (the prediction's own
     error) where a plan leaves room for it; a step is still judged against the whole
     budget. ``floors(actions=..., margin=...)``: module mode's planner restricted to
-    some actions, whose uniform plans (no block checkpointed: the plain step; every
-    block checkpointed) a refusal measures beside the smallest plan
-    (:func:`_measured_smallest`).
+    some actions; a refusal measures its plans among the actions predicted exactly
+    (:data:`FLOOR_ACTIONS`: the plain step, every block checkpointed, their mixes)
+    instead of the smallest plan (:func:`_measured_smallest`).
 
     A budget that a refusal named (:data:`_NAMED`) is first met by the plan that
     measured the figure, so that planning there runs no plan that measured over it.
@@ -429,9 +429,11 @@ def _measured_smallest(model: nn.Module, exc: InfeasibleBudget, *, budget: int, 
                        kwargs: dict, loss_fn: Callable[[Any], Any] | None,
                        floors: Callable[..., Any] | None = None) -> InfeasibleBudget:
     """The error to raise for a budget below the smallest plan, naming a figure that a
-    call for it meets: the least peak measured of the plans that every step can run
-    (``floors``: no block checkpointed, every block checkpointed) and of the plan for
-    the smallest peak ``exc`` names, and at least the peak of planning's own runs (the
+    call for it meets: the least peak measured of the plan for the smallest peak
+    ``exc`` names (graph mode; never below that peak) or, with ``floors`` (module
+    mode), of the plans among :data:`FLOOR_ACTIONS` (the least peak of their mixes, no
+    block checkpointed, every block checkpointed), and at least the peak of planning's
+    own runs (the
     run that measures op workspaces runs the lowest-peak schedule, and runs it again
     when the figure named is asked for). The floors are measured first, from the lowest
     predicted, and a plan only where predicted :data:`FLOOR_MARGIN` below the least
