@@ -37,7 +37,7 @@ from graphs.capture import real_placeholder_values, set_op_costs
 from graphs.compute_graph import BACKWARD_START, ComputeGraph
 from graphs.costs import StepRunner, measure_workspaces, remember_workspaces, time_ops
 from graphs.errors import CaptureError
-from graphs.memory import resident_bytes
+from graphs.memory import generators_kept, resident_bytes
 from graphs.rewrite import is_tangent, schedule_graphs, transfers
 from graphs.torch_internals import tree_leaves
 
@@ -173,12 +173,13 @@ def measure_in_schedule(cg: ComputeGraph, sequence: Sequence[Hashable], *, times
     tensors = [t for t in resident if isinstance(t, torch.Tensor)]
     devices = {t.device.type for t in tensors}
     cuda = sorted({t.device.index or 0 for t in tensors if t.device.type == "cuda"})
-    with no_autocast(), torch.random.fork_rng(devices=cuda):
+    with no_autocast(), generators_kept(cuda):  # (the states held outside the allocator the run measures)
         work = measure_workspaces(runner, devices=devices)
         timed = time_ops(runner, devices=devices, repeats=repeats, warm=work is None) if times else None
     peak = None
     if work is not None:
-        peak = resident_bytes(tensors) + int(work.peak_bytes or 0)
+        # the run's values are copies of the step's buffers: the step's own are held beside them
+        peak = resident_bytes(tensors, list(info.step.buffers())) + int(work.peak_bytes or 0)
         set_op_costs(cg, workspaces=work.workspace)
         remember_workspaces(cg.fx, work.workspace)
         cg.meta["workspace_source"] = "measured"

@@ -41,7 +41,7 @@ import os
 import sys
 import warnings
 import weakref
-from typing import Any, Callable, Iterable
+from typing import Any, Callable, Iterable, Iterator
 
 import torch
 
@@ -49,7 +49,7 @@ from graphs.errors import RematError
 from graphs.torch_internals import (TorchDispatchMode, allocation_events, labelled_spans, profiler_running,
                                    tree_leaves)
 
-__all__ = ["AllocatorPeak", "judge_available", "quiet_profile", "resident_bytes", "settle_open_judges", "MemoryTracker", "SavedTensorCounter", "measure_peak", "peak_of_events"]
+__all__ = ["AllocatorPeak", "generators_kept", "judge_available", "quiet_profile", "resident_bytes", "settle_open_judges", "MemoryTracker", "SavedTensorCounter", "measure_peak", "peak_of_events"]
 
 log = logging.getLogger(__name__)
 
@@ -301,6 +301,35 @@ def settle_open_judges() -> None:
 
 
 atexit.register(settle_open_judges)  # a profiler left running would be torn down mid-session
+
+
+@contextlib.contextmanager
+def generators_kept(cuda_devices: Iterable[int] | None = None) -> Iterator[None]:
+    """The random generators put back as found after the block, as
+    ``torch.random.fork_rng`` does, their states held as host bytes, not as tensors of
+    the CPU allocator (whose count is the budget on CPU): a measured step of planning
+    then holds nothing a training step does not. ``cuda_devices``: the CUDA generators
+    kept besides the CPU one (default: every one, once CUDA is initialized; ``[]``: none).
+
+    Examples
+    --------
+    >>> with generators_kept():
+    ...     a = torch.rand(3)
+    >>> torch.equal(a, torch.rand(3))
+    True
+    """
+    if cuda_devices is None:
+        initialized = torch.cuda.is_available() and torch.cuda.is_initialized()
+        cuda_devices = range(torch.cuda.device_count()) if initialized else []
+    cuda_devices = list(cuda_devices)
+    cpu = torch.get_rng_state().numpy().tobytes()
+    states = [torch.cuda.get_rng_state(d).numpy().tobytes() for d in cuda_devices]
+    try:
+        yield
+    finally:
+        torch.set_rng_state(torch.frombuffer(bytearray(cpu), dtype=torch.uint8))
+        for d, state in zip(cuda_devices, states):
+            torch.cuda.set_rng_state(torch.frombuffer(bytearray(state), dtype=torch.uint8), d)
 
 
 def judge_available(*roots: Any, device: str | torch.device | None = None) -> bool:

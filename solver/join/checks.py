@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import contextlib
 import functools
+import weakref
 from dataclasses import dataclass, field
 from typing import Any, Callable, Iterator
 
@@ -17,7 +18,7 @@ from torch import nn
 
 from graphs import RematError
 from graphs.capture import default_loss
-from graphs.memory import AllocatorPeak, judge_available, resident_bytes, storage_address
+from graphs.memory import AllocatorPeak, generators_kept, judge_available, resident_bytes, storage_address
 from graphs.units import format_bytes
 from solver.errors import InfeasibleBudget, SolverError
 from solver.join.fixed import untracked_bytes
@@ -158,14 +159,18 @@ class PlanningInputs:
 @contextlib.contextmanager
 def buffers_kept(model: nn.Module) -> Iterator[list[torch.Tensor]]:
     """Put the model's buffers (BatchNorm statistics) back as found after the block;
-    yields the copies it holds meanwhile."""
-    buffers = [(b, b.detach().clone()) for b in model.buffers()]
+    yields the copies it holds meanwhile. A copy shares its buffer's memory until the
+    block writes into the buffer (copy-on-write): a buffer the step leaves alone (a
+    rotary embedding's frequencies, position ids) costs nothing, and only one that it
+    writes is put back."""
+    buffers = [(b, _copy_of(b)) for b in model.buffers()]
     try:
         yield [v for _, v in buffers]
     finally:
         with torch.no_grad():
             for b, v in buffers:
-                b.copy_(v)
+                if not _shares_memory(v, b):
+                    b.copy_(v)
 
 
 @contextlib.contextmanager
@@ -209,15 +214,11 @@ def step_undone(model: nn.Module, *, inputs: PlanningInputs | None = None,
 @contextlib.contextmanager
 def rng_forked() -> Iterator[list[torch.Tensor]]:
     """The random generators (CPU, and CUDA once initialized) put back as found after
-    the block, as ``torch.random.fork_rng``; yields the saved states it holds."""
-    cuda = torch.cuda.is_available() and torch.cuda.is_initialized()
-    states = [torch.get_rng_state()] + (list(torch.cuda.get_rng_state_all()) if cuda else [])
-    try:
-        yield states
-    finally:
-        torch.set_rng_state(states[0])
-        if cuda:
-            torch.cuda.set_rng_state_all(states[1:])
+    the block, as ``torch.random.fork_rng``; their states are kept as host bytes
+    (:func:`graphs.memory.generators_kept`), so the list of tensors it yields, what it
+    holds in the allocator, is empty."""
+    with generators_kept():
+        yield []
 
 
 def measured_peak(model: nn.Module, run: Callable[[], Any], args: tuple, kwargs: dict, *,
@@ -238,7 +239,8 @@ def measured_peak(model: nn.Module, run: Callable[[], Any], args: tuple, kwargs:
 
 def fit_measured(model: nn.Module, *, make: Callable[[int], Any], run: Callable[[Any], Callable[[], Any]],
                  args: tuple, kwargs: dict, budget: int, session: Session, tries: int = 3,
-                 loss_fn: Callable[[Any], Any] | None = None, held_back: int = 0, reserve: int = 0) -> Any:
+                 loss_fn: Callable[[Any], Any] | None = None, held_back: int = 0, reserve: int = 0,
+                 floors: Callable[..., Any] | None = None) -> Any:
     """Plan, measure one step of the plan, and plan again with a margin while the
     measured peak is over ``budget``.
 
@@ -250,8 +252,19 @@ def fit_measured(model: nn.Module, *, make: Callable[[int], Any], run: Callable[
     real step measured beyond an earlier plan). ``reserve``: bytes more planned below the
     budget from the start, so that the step measured is within it (the prediction's own
     error) where a plan leaves room for it; a step is still judged against the whole
-    budget.
+    budget. ``floors(actions=..., margin=...)``: module mode's planner restricted to
+    some actions; a refusal measures its plans among the actions predicted exactly
+    (:data:`FLOOR_ACTIONS`: the plain step, every block checkpointed, their mixes)
+    instead of the smallest plan (:func:`_measured_smallest`).
+
+    A budget that a refusal named (:data:`_NAMED`) is first met by the plan that
+    measured the figure, so that planning there runs no plan that measured over it.
     """
+    step = dict(make=make, run=run, args=args, kwargs=kwargs, loss_fn=loss_fn, floors=floors)
+    if not held_back:
+        again = _named_plan(model, budget=budget, session=session, **step)
+        if again is not None:
+            return again
     try:
         out, margin = make(held_back + reserve), held_back + reserve
     except InfeasibleBudget as tight:
@@ -266,8 +279,7 @@ def fit_measured(model: nn.Module, *, make: Callable[[int], Any], run: Callable[
             try:
                 out, margin = make(held_back), held_back
             except InfeasibleBudget as exc:
-                raise _measured_smallest(model, exc, make=make, run=run, args=args, kwargs=kwargs, budget=budget,
-                                         session=session, loss_fn=loss_fn) from exc
+                raise _measured_smallest(model, exc, budget=budget, session=session, **step) from exc
     for attempt in range(tries):
         report = session.report
         extra = untracked_bytes(report.graph)
@@ -335,18 +347,133 @@ def _smallest_that_fits(model: nn.Module, exc: InfeasibleBudget, *, budget: int,
     return plan
 
 
+#: the figures refusals named, per model: ``(the inputs' shapes, budget, floors given)``
+#: to the plan that measured the figure (``(kind, peak planned for, actions)``: module
+#: mode's plan among some actions, ``"floor"``, or the plan for the smallest peak,
+#: ``"smallest"``), which :func:`fit_measured` runs first when that budget is asked for
+_NAMED: "weakref.WeakKeyDictionary[nn.Module, dict]" = weakref.WeakKeyDictionary()
+
+#: a refusal measures a floor's plan, or the smallest plan, only where predicted at
+#: least this share below the least peak measured so far: module mode's predictions of
+#: its exact actions are within about 1 %, so one predicted higher would not lower the
+#: figure named, and its run could go over it
+FLOOR_MARGIN = 0.01
+
+#: module mode's actions whose memory is predicted within about 1 %: a block run as it
+#: is, or checkpointed whole
+FLOOR_ACTIONS = ("none", "full")
+
+
+def _named_key(args: tuple, kwargs: dict, budget: int, floors: Any) -> tuple:
+    from graphs.torch_internals import tree_leaves
+
+    shapes = tuple((tuple(t.shape), str(t.dtype)) if isinstance(t, torch.Tensor) else repr(t)
+                   for t in tree_leaves((args, kwargs)))
+    return shapes, int(budget), floors is not None
+
+
+def _floor_plan(floors: Callable[..., Any], actions: tuple[str, ...], budget: int) -> Any:
+    """Module mode's plan among ``actions`` for the least peak they reach."""
+    try:
+        return floors(actions=actions, margin=0)
+    except InfeasibleBudget as exc:
+        return floors(actions=actions, margin=budget - exc.smallest_feasible_bytes)
+
+
+def _measure(model: nn.Module, plan: Any, *, run: Callable[[Any], Callable[[], Any]], args: tuple, kwargs: dict,
+             session: Session, loss_fn: Callable[[Any], Any] | None) -> int | None:
+    """The allocator's peak of one step of ``plan`` (untracked bytes included; a graph
+    plan's gradient check measured it already), counted in planning's peak."""
+    report = session.report
+    if report.checked_peak_bytes is not None:
+        return report.checked_peak_bytes
+    measured = measured_peak(model, run(plan), args, kwargs, loss_fn=loss_fn, inputs=session.inputs)
+    if measured is None:
+        return None
+    report.checked_peak_bytes = peak = measured + untracked_bytes(report.graph)
+    session.saw(peak)
+    return peak
+
+
+def _recipe_plan(recipe: tuple, *, make: Callable[[int], Any], floors: Callable[..., Any] | None,
+                 budget: int) -> Any:
+    """The plan ``recipe`` names, planned for the peak it was planned for before."""
+    kind, target, actions = recipe
+    if kind == "floor":
+        return floors(actions=actions, margin=budget - target)
+    return make(budget - target)
+
+
+def _named_plan(model: nn.Module, *, budget: int, session: Session, make: Callable[[int], Any],
+                run: Callable[[Any], Callable[[], Any]], args: tuple, kwargs: dict,
+                loss_fn: Callable[[Any], Any] | None, floors: Callable[..., Any] | None) -> Any:
+    """Where ``budget`` is a figure a refusal named for this model and inputs, the plan
+    that measured it, when a step of it measures within the budget again; else None."""
+    recipe = _NAMED.get(model, {}).get(_named_key(args, kwargs, budget, floors))
+    if recipe is None:
+        return None
+    try:
+        plan = _recipe_plan(recipe, make=make, floors=floors, budget=budget)
+    except RematError:
+        return None
+    peak = _measure(model, plan, run=run, args=args, kwargs=kwargs, session=session, loss_fn=loss_fn)
+    if peak is None or peak > budget:
+        return None
+    session.report.notes.append(f"planned for {format_bytes(budget)}, the smallest feasible peak named for this "
+                                "model and inputs: the plan that measured it")
+    return plan
+
+
 def _measured_smallest(model: nn.Module, exc: InfeasibleBudget, *, budget: int, session: Session,
-                       **step: Any) -> InfeasibleBudget:
-    """The error to raise for a budget below the smallest plan: the smallest plan's
-    measured peak when a step of it measures more than its prediction, and at least the
-    peak of planning's own runs so far (the run that measures op workspaces runs the
-    lowest-peak schedule, and runs it again when the figure named is asked for): asking
-    for the figure named must succeed."""
-    found = _smallest_plan(model, exc, budget=budget, session=session, **step)
-    named = max(found[1] if found is not None else 0, session.planning_peak or 0)
-    if named <= exc.smallest_feasible_bytes:
+                       make: Callable[[int], Any], run: Callable[[Any], Callable[[], Any]], args: tuple,
+                       kwargs: dict, loss_fn: Callable[[Any], Any] | None,
+                       floors: Callable[..., Any] | None = None) -> InfeasibleBudget:
+    """The error to raise for a budget below the smallest plan, naming a figure that a
+    call for it meets: the least peak measured of the plan for the smallest peak
+    ``exc`` names (graph mode; never below that peak) or, with ``floors`` (module
+    mode), of the plans among :data:`FLOOR_ACTIONS` (the least peak of their mixes, no
+    block checkpointed, every block checkpointed), and at least the peak of planning's
+    own runs (the
+    run that measures op workspaces runs the lowest-peak schedule, and runs it again
+    when the figure named is asked for). The floors are measured first, from the lowest
+    predicted, and a plan only where predicted :data:`FLOOR_MARGIN` below the least
+    peak measured so far: a refusal runs no step far above the figure it names. The
+    plan that measured the figure is remembered (:data:`_NAMED`)."""
+    step = dict(run=run, args=args, kwargs=kwargs, session=session, loss_fn=loss_fn)
+    candidates = []  # (predicted, recipe)
+    if floors is None:
+        candidates.append((exc.smallest_feasible_bytes, ("smallest", exc.smallest_feasible_bytes, None)))
+    else:  # module mode: among the actions whose memory is predicted exactly (a selective plan's is not)
+        for actions in (FLOOR_ACTIONS, ("none",), ("full",)):
+            try:
+                _floor_plan(floors, actions, budget)
+            except RematError:
+                continue
+            predicted = session.report.predicted_peak_bytes
+            candidates.append((predicted, ("floor", predicted, actions)))
+    measured: list[tuple[int, tuple]] = []
+    for predicted, recipe in sorted(candidates, key=lambda c: c[0]):
+        least = min((m for m, _ in measured), default=None)
+        if least is not None and predicted > (1 - FLOOR_MARGIN) * least:
+            continue
+        try:
+            plan = _recipe_plan(recipe, make=make, floors=floors, budget=budget)
+        except RematError:
+            continue
+        peak = _measure(model, plan, **step)
+        if peak is not None:
+            measured.append((peak, recipe))
+    if not measured:
         return exc
-    return InfeasibleBudget(budget, named, lower_bound_bytes=exc.lower_bound_bytes, what="measured peak", **_why(exc))
+    least, recipe = min(measured, key=lambda m: m[0])
+    named = max(least, session.planning_peak or 0)  # (the plan measured within it)
+    if recipe[0] == "smallest":  # nor below the peak the search found: its plan is predicted within the figure
+        named = max(named, exc.smallest_feasible_bytes)
+    _NAMED.setdefault(model, {})[_named_key(args, kwargs, named, floors)] = recipe
+    if named == exc.smallest_feasible_bytes:
+        return exc
+    return InfeasibleBudget(budget, named, lower_bound_bytes=min(exc.lower_bound_bytes, named), what="measured peak",
+                            **_why(exc))
 
 
 def _why(exc: InfeasibleBudget) -> dict:

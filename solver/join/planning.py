@@ -171,9 +171,12 @@ def _plan_step(model: nn.Module, args: tuple, kwargs: dict, *, request: Request,
     else:
         graph = GRAPH_RESERVE if cap.store_all > cap.budget else 0  # (the store-all step needs no reserve)
         reserve = int((MODULE_RESERVE if request.mode == "module" else graph) * cap.budget)
+        # module mode's planner among given actions: the plans a refusal measures (the uniform ones among them)
+        floors = ((lambda **given: plan_module(model, cap=cap, request=request, session=session, **given))
+                  if request.mode == "module" else None)
         step = fit_measured(model, make=make, run=lambda s: lambda: s(model, args, kwargs), args=args,
                             kwargs=kwargs, budget=cap.budget, session=session, loss_fn=request.loss_fn,
-                            held_back=held_back, reserve=reserve)
+                            held_back=held_back, reserve=reserve, floors=floors)
     report = session.report
     report.check_seconds = max(0.0, time.perf_counter() - t0 - report.capture_seconds - report.measure_seconds
                                - report.solve_seconds)
