@@ -143,3 +143,29 @@ def test_a_checkpointed_blocks_forward_runs_a_multi_output_op_once():
     assert any(len(p) == 2 for p in runs.values())  # result and mask both recomputed
     assert all(len(p) == 1 or p == [p[0], p[0] + 1] for p in runs.values()), runs
     assert BlockIndex(view, blocks).price(plan).peak_bytes == res.peak_bytes
+
+
+def test_a_checkpointed_block_is_recomputed_in_the_order_its_forward_ran():
+    # torch.utils.checkpoint reruns a block's forward as it ran: a copy that the forward
+    # makes late (attention's value, cloned for its matmul) is not made early in the
+    # recomputation, where it would free what it copies before the scores are computed
+    from graphs.capture import capture
+    from solver.module_plan import BlockIndex, checkpoint_sequence, checkpoint_view, keep_for_plan, plan_schedule
+    from solver.plans import sequence_from_keep
+
+    model, (idx, _) = models.gpt(n_layer=2, d=16, n_head=2, seq=16, batch=2, vocab=64)
+    cg = capture(model, (idx,), backward="outputs", measure_time=False, measure_workspace=False)
+    blocks = layer_blocks(model)
+    view = checkpoint_view(cg, blocks)
+    plan = {b: "full" for b in blocks}
+    index = BlockIndex(view, blocks)
+    plain = sequence_from_keep(view, keep_for_plan(view, plan))
+    for seq in (plan_schedule(view, plan, index=index)[0].sequence, checkpoint_sequence(view, plain, plan)):
+        first_bwd = next(i for i, v in enumerate(seq) if view[v]["phase"] == "backward")
+        ran = {v: i for i, v in reversed(list(enumerate(seq[:first_bwd])))}
+        for b in blocks:
+            fwd = set(index.nodes(b)[0])
+            again = [v for v in seq[first_bwd:] if v in fwd]
+            assert len(again) > 1
+            assert again == sorted(again, key=ran.__getitem__), b
+    assert index.price(plan).peak_bytes == plan_schedule(view, plan, index=index)[1].peak_bytes
