@@ -99,18 +99,20 @@ def _run(name: str, mode: str, fraction: float, *, of: str, emulate: bool, warmu
 
     import solver
     from graphs.units import GiB
-    from tests.solver.test_per_block_zoo import per_block_peak
+    from tests.solver.test_per_block_zoo import planned_again_note, per_block_peak
 
     sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-    from cuda_check import _per_block_checkpoint
+    from cuda_check import PEERS
 
     model, args, kwargs, loss_fn = _zoo()[name]()
     floor = per_block_peak(model, args, kwargs, loss_fn)
     plain_peak = _plain_peak(model, args, kwargs, loss_fn)
     budget = int(fraction * (floor if of == "per_block" else plain_peak))
     row = {"model": name, "mode": mode, "emulated": emulate, "of": of, "fraction": fraction, "budget_bytes": budget,
-           "per_block_peak_bytes": floor, "plain_peak_bytes": plain_peak}
-    plain, per_block = copy.deepcopy(model), _per_block_checkpoint(model)
+           "per_block_peak_bytes": floor, "plain_peak_bytes": plain_peak,
+           # a budget below this peak is one checkpointing every block does not meet either
+           "per_block_meets_budget": floor <= budget}
+    plain, per_block = copy.deepcopy(model), PEERS["per_block"](model)
     t0 = time.perf_counter()
     try:
         fast = solver.optimize(model, budget / GiB, kwargs or args, mode=mode, loss_fn=loss_fn, measure_time=True)
@@ -129,7 +131,7 @@ def _run(name: str, mode: str, fraction: float, *, of: str, emulate: bool, warmu
                prediction_error=(None if not rep.step_peak_bytes else
                                  (rep.predicted_peak_bytes - rep.step_peak_bytes) / rep.step_peak_bytes),
                # a plan made again: by the watch after a real step, or by planning after a measured one
-               planned_again=any(n.startswith(("planned again", "planned for ")) for n in rep.notes),
+               planned_again=any(planned_again_note(n) for n in rep.notes),
                notes=list(rep.notes))
     if mode == "module":
         row["module_plan"] = {k: str(v) for k, v in (getattr(fast, "remat_plan", None) or {}).items()}
@@ -164,7 +166,8 @@ def _table(rows: list) -> str:
         head = (f"{r['model']:<18} {'on' if r['emulated'] else 'off':<4} {r['mode']:<7} {x:>9} "
                 f"{r['budget_bytes'] / kib:8.1f}K")
         if r["status"] != "planned":
-            lines.append(f"{head} {r['status']}: {r['error'][:80]}")
+            meets = "meets" if r["per_block_meets_budget"] else "does not meet"
+            lines.append(f"{head} {r['status']} (per-block checkpointing {meets} it): {r['error'][:60]}")
             continue
         err = "-" if r["prediction_error"] is None else f"{100 * r['prediction_error']:7.2f}%"
         lines.append(f"{head} {(r['step_peak_bytes'] or 0) / kib:8.1f}K {err:>8} "
