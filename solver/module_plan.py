@@ -234,7 +234,9 @@ class BlockIndex:
         edges = _sac_edges(self.graph, {block: action}, self.graph.ops, index=self)
         later = [c for t, c in chunks if t > fb]
         if later:
-            together = _projections_together(self.graph, [sim.ids[i] for i in np.concatenate(later)])
+            # numbers below the first backward op follow the forward's order
+            ordered = np.sort(np.concatenate(later), kind="stable")
+            together = _projections_together(self.graph, [sim.ids[i] for i in ordered])
             later = [np.array([num[v] for v in together], dtype=np.int64)]
         pieces = ([c for t, c in chunks if t == fb],
                   (next(t for t, _ in chunks if t > fb), later[0]) if later else None,
@@ -538,7 +540,7 @@ def checkpoint_sequence(graph: ComputeGraph, sequence: Sequence[Hashable], actio
 
     A checkpointed block reruns its whole forward at the first read of one of its
     dropped values in backward, not value by value; so every recomputation of a block's
-    forward ops moves to the first of them (forward order kept). The result is valid
+    forward ops moves to the first of them, in the order the forward ran them. The result is valid
     when ``sequence`` is (moved ops read only kept values or earlier moved ones).
 
     Parameters
@@ -583,7 +585,7 @@ def checkpoint_sequence(graph: ComputeGraph, sequence: Sequence[Hashable], actio
         pos = [i for i, v in enumerate(out) if i > first_bwd and v in fwd]
         if len(pos) < 2:
             continue
-        moved = _projections_together(graph, [out[i] for i in pos])
+        moved = _projections_together(graph, _forward_order([out[i] for i in pos], out[:first_bwd]))
         drop = set(pos)
         rest = [v for i, v in enumerate(out) if i not in drop]
         out = rest[: pos[0]] + moved + rest[pos[0]:]
@@ -615,8 +617,27 @@ def _gather_recomputations(out: list, first_bwd: int, actions: Mapping[str, str]
             result.append(v)
         elif b not in gathered:
             gathered.add(b)
-            result.extend(_projections_together(index.graph, steps[b]))
+            result.extend(_projections_together(index.graph, _forward_order(steps[b], out[:first_bwd])))
     return result
+
+
+def _forward_order(steps: list, forward: Sequence[Hashable]) -> list:
+    """``steps`` (one block's recomputation) in the order of their first run in
+    ``forward``, as the block's forward runs them again: a recomputation built value by
+    value may run an op early (a tensor's copy before an unrelated matmul, freeing what
+    it copies) where torch's rerun of the forward holds it longer. Stable: a step not in
+    ``forward``, or repeated, keeps its place among its equals.
+
+    Examples
+    --------
+    >>> _forward_order(["c", "a", "b"], ["a", "b", "c"])
+    ['a', 'b', 'c']
+    """
+    first: dict = {}
+    for i, v in enumerate(forward):
+        first.setdefault(v, i)
+    end = len(first)
+    return sorted(steps, key=lambda v: first.get(v, end))
 
 
 def _projections_together(graph: ComputeGraph, steps: list) -> list:

@@ -3,7 +3,8 @@ cross-entropy is written outside it, a stack of ``TransformerEncoderLayer`` with
 HF GPT-2 and Llama, torchvision's ResNet18 and a small ``VisionTransformer`` in their
 module structure, a U-Net), at 1.02x or 1.10x the allocator's peak of one step with
 non-reentrant ``torch.utils.checkpoint`` on every layer block, graph mode and module
-mode plan, and the real training step fits by the allocator, planned once; with CUDA's
+mode plan, and the real training step fits by the allocator, planned once and predicted
+within 1 % (but for the known misses of ``MISSES``, checked to miss still); with CUDA's
 dispatch of dropout and attention emulated and without, on the models that dropout or
 attention reach."""
 
@@ -73,6 +74,12 @@ def _loss(out, loss_fn):
     return out.loss if loss_fn is None else loss_fn(out)
 
 
+def planned_again_note(note: str) -> bool:
+    """Whether a report's note tells of a second plan: by the watch after a real step, or
+    by planning after a measured step of the first."""
+    return note.startswith("planned again") or note.startswith("planned for ") and "measured" in note
+
+
 def per_block_peak(model, args, kwargs, loss_fn) -> int:
     """The allocator's peak of one training step of ``model`` with non-reentrant
     ``torch.utils.checkpoint`` around every layer block (:func:`layer_blocks`), the
@@ -103,6 +110,30 @@ def _cases():
                                id=f"{name}-{mode}-{frac}-{'cuda' if emulate else 'cpu'}-dispatch")
 
 
+#: cases known to be planned a second time or predicted more than 1 % off the allocator's
+#: peak, and why (each is checked to miss still: one that no longer misses fails until it
+#: leaves the list)
+MISSES = {
+    # every random op's generator state (5056 bytes on CPU) is charged for the whole step
+    # (FixedCharges.rng_states), where the rewrite keeps one only for an op it runs again,
+    # from its first run to its last: over-predicted by up to 8 %
+    ("gpt_cross_entropy", "graph"): "graph mode charges every random op's generator state for the whole step",
+    ("encoder_dropout", "graph"): "graph mode charges every random op's generator state for the whole step",
+    ("hf_gpt2", "graph"): "graph mode charges every random op's generator state for the whole step",
+    ("vit", "graph"): "graph mode charges every random op's generator state for the whole step",
+    # eager blocks hold what their Python locals name (q, k, v: views of the qkv
+    # projection; the attention's output) until their forward returns, and checkpoint
+    # keeps a CPU generator state per block: the simulator frees after the last reader
+    ("gpt_cross_entropy", "module"): "module mode misses what a block's Python locals and checkpoint's states hold",
+    # with no block's run measured (measure_time=False), save_matmuls is priced from the
+    # graph alone and chosen; what torch's selective checkpointing saves is not predicted
+    # exactly (2.7 % under on GPT-2; on Llama a measured step went over and planning ran
+    # again with whole blocks only)
+    ("hf_gpt2", "module"): "module mode chooses save_matmuls unmeasured, whose memory it does not predict exactly",
+    ("hf_llama", "module"): "module mode chooses save_matmuls unmeasured, whose memory it does not predict exactly",
+}
+
+
 @pytest.mark.slow
 @pytest.mark.parametrize("name,mode,frac,emulate", list(_cases()))
 def test_a_budget_per_block_checkpointing_meets_is_planned_and_fits(name, mode, frac, emulate):
@@ -120,7 +151,13 @@ def test_a_budget_per_block_checkpointing_meets_is_planned_and_fits(name, mode, 
         report = fast.report
         assert report.step_peak_bytes is not None
         assert report.step_peak_bytes <= budget, (report.step_peak_bytes, budget, floor, report.notes)
-        assert not any("planned again" in n for n in report.notes), report.notes
+        again = [n for n in report.notes if planned_again_note(n)]
+        error = (report.predicted_peak_bytes - report.step_peak_bytes) / report.step_peak_bytes
+        if (name, mode) in MISSES:
+            assert again or abs(error) > 0.01, f"planned once, predicted {error:+.2%}: take {(name, mode)} out of MISSES"
+            pytest.xfail(MISSES[name, mode])
+        assert not again, report.notes
+        assert abs(error) <= 0.01, (report.predicted_peak_bytes, report.step_peak_bytes)
 
 
 def test_a_checkpointed_blocks_forward_runs_a_multi_output_op_once():
@@ -143,3 +180,29 @@ def test_a_checkpointed_blocks_forward_runs_a_multi_output_op_once():
     assert any(len(p) == 2 for p in runs.values())  # result and mask both recomputed
     assert all(len(p) == 1 or p == [p[0], p[0] + 1] for p in runs.values()), runs
     assert BlockIndex(view, blocks).price(plan).peak_bytes == res.peak_bytes
+
+
+def test_a_checkpointed_block_is_recomputed_in_the_order_its_forward_ran():
+    # torch.utils.checkpoint reruns a block's forward as it ran: a copy that the forward
+    # makes late (attention's value, cloned for its matmul) is not made early in the
+    # recomputation, where it would free what it copies before the scores are computed
+    from graphs.capture import capture
+    from solver.module_plan import BlockIndex, checkpoint_sequence, checkpoint_view, keep_for_plan, plan_schedule
+    from solver.plans import sequence_from_keep
+
+    model, (idx, _) = models.gpt(n_layer=2, d=16, n_head=2, seq=16, batch=2, vocab=64)
+    cg = capture(model, (idx,), backward="outputs", measure_time=False, measure_workspace=False)
+    blocks = layer_blocks(model)
+    view = checkpoint_view(cg, blocks)
+    plan = {b: "full" for b in blocks}
+    index = BlockIndex(view, blocks)
+    plain = sequence_from_keep(view, keep_for_plan(view, plan))
+    for seq in (plan_schedule(view, plan, index=index)[0].sequence, checkpoint_sequence(view, plain, plan)):
+        first_bwd = next(i for i, v in enumerate(seq) if view[v]["phase"] == "backward")
+        ran = {v: i for i, v in reversed(list(enumerate(seq[:first_bwd])))}
+        for b in blocks:
+            fwd = set(index.nodes(b)[0])
+            again = [v for v in seq[first_bwd:] if v in fwd]
+            assert len(again) > 1
+            assert again == sorted(again, key=ran.__getitem__), b
+    assert index.price(plan).peak_bytes == plan_schedule(view, plan, index=index)[1].peak_bytes
