@@ -146,7 +146,10 @@ def _plan_step(model: nn.Module, args: tuple, kwargs: dict, *, request: Request,
                          like=like)
     session.saw(cap.planning_peak)
     if request.mode == "module":
-        cap = measure_blocks(model, args, kwargs, cap=cap, request=request)
+        # the block seconds of an earlier plan whose op costs were carried are carried too
+        carried = session.report.schedule.info.get("measured") if (
+            cap.measured_with == () and session.report.schedule is not None) else None
+        cap = measure_blocks(model, args, kwargs, cap=cap, request=request, carried=carried)
     if request.mode == "graph":
         def make(margin: int) -> Any:
             return plan_graph_checked(model, args, kwargs, cap=cap, request=request, session=session, margin=margin,
@@ -302,7 +305,8 @@ def measure_within(cap: Captured, *, request: Request, held_back: int = 0,
                    measured_with=tuple(sequence) if cap.cut is None else None, solve_start=time.perf_counter())
 
 
-def measure_blocks(model: nn.Module, args: tuple, kwargs: dict, *, cap: Captured, request: Request) -> Captured:
+def measure_blocks(model: nn.Module, args: tuple, kwargs: dict, *, cap: Captured, request: Request,
+                   carried: dict | None = None) -> Captured:
     """``cap`` with the seconds of one forward and backward of the model's middle layer
     block under each of module mode's actions
     (:func:`graphs.module_mode.measure_block_actions`), which
@@ -312,7 +316,11 @@ def measure_blocks(model: nn.Module, args: tuple, kwargs: dict, *, cap: Captured
     :data:`MEASURE_MARGIN` of the budget), on real tensors, when op times are measured
     (``measure_time`` not False), without data parallelism, and where the model has two
     blocks or more; else ``cap`` as it is. One block's runs: about a step's time of
-    a model of a few layers, less for more."""
+    a model of a few layers, less for more. ``carried``: the seconds measured for an
+    earlier plan of the same step at other sizes, whose op costs were carried
+    (:func:`measure_within`'s ``like``): taken as they are, nothing runs (the plan reads
+    only their ratios, what a selective action adds to a block against checkpointing it
+    whole)."""
     from dataclasses import replace
 
     from graphs.module_mode import measure_block_actions
@@ -325,6 +333,8 @@ def measure_blocks(model: nn.Module, args: tuple, kwargs: dict, *, cap: Captured
     blocks = layer_blocks(model, blocks=request.blocks)
     if len(blocks) < 2:
         return cap
+    if carried and all(a in carried for a in DEFAULT_ACTIONS):
+        return replace(cap, block_seconds=dict(carried), solve_start=time.perf_counter())
     t0 = time.perf_counter()
     try:
         seconds = measure_block_actions(model, args, kwargs, block=blocks[len(blocks) // 2],
