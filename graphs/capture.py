@@ -30,6 +30,7 @@ FakeTensorMode: nothing is allocated for the weights.
 from __future__ import annotations
 
 import contextlib
+import functools
 import logging
 import operator
 import traceback
@@ -414,13 +415,20 @@ def is_random_op(node: torch.fx.Node) -> bool:
     return is_op_overload(node.target) and _seeded(node.target)
 
 
+@functools.lru_cache(maxsize=None)
 def _seeded(op: Any) -> bool:
     """An op overload tagged as drawing from a generator, or named as a random op (not
-    a gradient such as ``native_dropout_backward``, which reads the forward's mask)."""
+    a gradient such as ``native_dropout_backward``, which reads the forward's mask).
+    Asked for every node of every graph that capture and rewrite walk: kept per op."""
     if torch.Tag.nondeterministic_seeded in op.tags:
         return True
     name = op.overloadpacket.__name__
     return any(r in name for r in _RANDOM_OPS) and not any(w in name for w in _NAMED_BUT_NOT_RANDOM)
+
+
+@functools.lru_cache(maxsize=None)
+def _argument_names(op: Any) -> tuple[str, ...]:
+    return tuple(a.name for a in op_schema(op).arguments)
 
 
 def op_draws(op: Any, args: tuple = (), kwargs: dict | None = None) -> bool:
@@ -439,7 +447,7 @@ def op_draws(op: Any, args: tuple = (), kwargs: dict | None = None) -> bool:
     """
     if not is_op_overload(op):
         return False
-    names = [a.name for a in op_schema(op).arguments]
+    names = _argument_names(op)
     if "dropout_p" in names:  # tagged as seeded, but drawing only with a dropout
         i = names.index("dropout_p")
         return bool((kwargs or {}).get("dropout_p", args[i] if i < len(args) else 0.0))

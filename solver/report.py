@@ -109,8 +109,33 @@ class Report:
             return None
         return 1 + self.predicted_extra_seconds / self.original_step_seconds
 
+    def defer(self, name: str, compute: Any) -> None:
+        """Make the figure ``name`` on its first read, by ``compute()`` (a search that a
+        plan need not wait for; a read of the report, :meth:`to_dict` or ``str`` runs it).
+
+        Examples
+        --------
+        >>> r = Report(mode="graph", method="auto", budget_bytes=10, predicted_peak_bytes=8,
+        ...            store_all_peak_bytes=12, smallest_feasible_bytes=8, predicted_overhead=0.0, gap=None,
+        ...            solve_seconds=0.0, capture_seconds=0.0, decisions="")
+        >>> r.defer("smallest_feasible_bytes", lambda: 6)
+        >>> r.smallest_feasible_bytes
+        6
+        """
+        self.__dict__.pop(name, None)
+        self.__dict__.setdefault("_deferred", {})[name] = compute
+
+    def __getattr__(self, name: str) -> Any:
+        deferred = self.__dict__.get("_deferred")
+        if deferred and name in deferred:
+            value = self.__dict__[name] = deferred.pop(name)()
+            return value
+        raise AttributeError(f"{type(self).__name__!r} object has no attribute {name!r}")
+
     def to_dict(self) -> dict[str, Any]:
-        out = {k: v for k, v in self.__dict__.items() if k not in ("graph", "schedule", "decisions")}
+        for name in list(self.__dict__.get("_deferred", ())):
+            getattr(self, name)
+        out = {k: v for k, v in self.__dict__.items() if k not in ("graph", "schedule", "decisions", "_deferred")}
         out["fits"] = self.fits
         out["predicted_step_ratio"] = self.predicted_step_ratio
         return out

@@ -146,7 +146,10 @@ def _plan_step(model: nn.Module, args: tuple, kwargs: dict, *, request: Request,
                          like=like)
     session.saw(cap.planning_peak)
     if request.mode == "module":
-        cap = measure_blocks(model, args, kwargs, cap=cap, request=request)
+        # the block seconds of an earlier plan whose op costs were carried are carried too
+        carried = session.report.schedule.info.get("measured") if (
+            cap.measured_with == () and session.report.schedule is not None) else None
+        cap = measure_blocks(model, args, kwargs, cap=cap, request=request, carried=carried)
     if request.mode == "graph":
         def make(margin: int) -> Any:
             return plan_graph_checked(model, args, kwargs, cap=cap, request=request, session=session, margin=margin,
@@ -245,8 +248,8 @@ def measure_within(cap: Captured, *, request: Request, held_back: int = 0,
     ``request.measure_time`` is False) by running schedules of it
     (:func:`graphs.measured.measure_in_schedule`) that do not need the memory the plan
     is to save: the reference order where it fits well within the budget by the
-    capture's estimates, otherwise the lowest-peak schedule found (the estimates of the
-    workspaces can be low: the ops whose estimates are least reliable,
+    capture's estimates, otherwise one that does by them (:func:`lowest_peak_sequence`;
+    the estimates of the workspaces can be low: the ops whose estimates are least reliable,
     :data:`graphs.measured.PROBED_OPS`, are measured alone first,
     :func:`graphs.measured.probe_workspaces`). One run measures the workspaces, the next the times (an op
     that the schedule runs again, or one like an op timed before, is timed once:
@@ -305,7 +308,8 @@ def measure_within(cap: Captured, *, request: Request, held_back: int = 0,
                    measured_with=tuple(sequence) if cap.cut is None else None, solve_start=time.perf_counter())
 
 
-def measure_blocks(model: nn.Module, args: tuple, kwargs: dict, *, cap: Captured, request: Request) -> Captured:
+def measure_blocks(model: nn.Module, args: tuple, kwargs: dict, *, cap: Captured, request: Request,
+                   carried: dict | None = None) -> Captured:
     """``cap`` with the seconds of one forward and backward of the model's middle layer
     block under each of module mode's actions
     (:func:`graphs.module_mode.measure_block_actions`), which
@@ -315,7 +319,11 @@ def measure_blocks(model: nn.Module, args: tuple, kwargs: dict, *, cap: Captured
     :data:`MEASURE_MARGIN` of the budget), on real tensors, when op times are measured
     (``measure_time`` not False), without data parallelism, and where the model has two
     blocks or more; else ``cap`` as it is. One block's runs: about a step's time of
-    a model of a few layers, less for more."""
+    a model of a few layers, less for more. ``carried``: the seconds measured for an
+    earlier plan of the same step at other sizes, whose op costs were carried
+    (:func:`measure_within`'s ``like``): taken as they are, nothing runs (the plan reads
+    only their ratios, what a selective action adds to a block against checkpointing it
+    whole)."""
     from dataclasses import replace
 
     from graphs.module_mode import measure_block_actions
@@ -328,6 +336,8 @@ def measure_blocks(model: nn.Module, args: tuple, kwargs: dict, *, cap: Captured
     blocks = layer_blocks(model, blocks=request.blocks)
     if len(blocks) < 2:
         return cap
+    if carried and all(a in carried for a in DEFAULT_ACTIONS):
+        return replace(cap, block_seconds=dict(carried), solve_start=time.perf_counter())
     t0 = time.perf_counter()
     try:
         seconds = measure_block_actions(model, args, kwargs, block=blocks[len(blocks) // 2],
@@ -385,28 +395,37 @@ def replayed_view(cg: ComputeGraph) -> ComputeGraph:
 
 
 def lowest_peak_sequence(cg: ComputeGraph, *, target: int | None = None) -> list:
-    """The lowest-peak schedule of ``cg`` that
-    :func:`solver.methods.minpeak.smallest_feasible_peak` finds in its time; where that
-    search stopped above :data:`MEASURE_MARGIN` x ``target`` bytes (it is timed, and a
-    loaded machine cuts it short), the first schedule found within that, else within
-    ``target``, by eviction passes that do not stop early (quick ones first): which
-    schedule measures a step does not depend on the machine's load, and a ``target``
-    that the search once reached (the figure an :class:`InfeasibleBudget` named) is
-    reached again."""
+    """A schedule of ``cg`` to measure a step in: with a ``target``, the first one
+    found within :data:`MEASURE_MARGIN` x ``target`` bytes, else within ``target``, by
+    eviction passes that do not stop early (quick ones first); where none is (or
+    without a target), the lowest-peak schedule that
+    :func:`solver.methods.minpeak.smallest_feasible_peak` finds in its time. Which
+    schedule measures a step does not depend on the machine's load where a pass
+    reaches the target, and a ``target`` that the search once reached (the figure an
+    :class:`InfeasibleBudget` named) is reached again; the timed search runs only where
+    no pass does.
+
+    Examples
+    --------
+    >>> import solver
+    >>> from solver.synthetic import training_chain
+    >>> g = training_chain(8)
+    >>> roomy = solver.simulate(g, g.order).peak_bytes
+    >>> lowest_peak_sequence(g, target=2 * roomy) == list(g.order)
+    True
+    """
     from solver.indexed import IndexedGraph
     from solver.methods.minpeak import min_peak_sequence, smallest_feasible_peak
 
     ix = IndexedGraph.of(cg)
-    found = smallest_feasible_peak(cg)[0]
     seq = None
     if target is not None:
-        aims = [(int(MEASURE_MARGIN * target), True), (int(target), True), (int(target), False)]
-        for aim, quick in aims:
-            if aim < found:
-                seq = min_peak_sequence(ix, aim, quick=quick)
-                if seq is not None:
-                    break
-    seq = seq if seq is not None else min_peak_sequence(ix, found)
+        for aim, quick in ((int(MEASURE_MARGIN * target), True), (int(target), True), (int(target), False)):
+            seq = min_peak_sequence(ix, aim, quick=quick)
+            if seq is not None:
+                break
+    if seq is None:
+        seq = min_peak_sequence(ix, smallest_feasible_peak(cg)[0])
     return [ix.ids[i] for i in seq] if seq is not None else list(cg.order)
 
 
@@ -637,18 +656,21 @@ def _graph_report(*, cap: Captured, schedule: Schedule, store_all: int, solve_se
     from solver.methods.minpeak import smallest_feasible_peak
 
     cg = cap.graph
-    # the search is timed; the plain step and checkpointing every block are reached whatever the time
-    low = min(smallest_feasible_peak(cg)[0], reached_floor(cg))
-    return Report(
+    # the plain step and checkpointing every block are reached whatever the time the search gets
+    reached = min(reached_floor(cg), store_all, schedule.peak_bytes)  # the plan is a schedule too
+    report = Report(
         mode="graph", method=schedule.method, budget_bytes=cap.budget, predicted_peak_bytes=schedule.peak_bytes,
         store_all_peak_bytes=store_all,
-        smallest_feasible_bytes=min(low, store_all, schedule.peak_bytes),  # the plan is a schedule too
+        smallest_feasible_bytes=reached,
         predicted_overhead=schedule.overhead, predicted_extra_seconds=extra_seconds(cg, schedule), gap=schedule.gap,
         solve_seconds=solve_seconds, capture_seconds=cap.capture_seconds, measure_seconds=cap.measure_seconds,
         decisions=schedule.table(cg, limit=25), budget_kind="activations" if cap.activation_budget else "step",
         activation_budget_bytes=cap.activation_budget,
         recomputed=sum(1 for c in schedule.counts().values() if c > 1), graph=cg, schedule=schedule,
     )
+    # the timed search for a lower peak runs when the figure is read, not while planning waits
+    report.defer("smallest_feasible_bytes", lambda: min(smallest_feasible_peak(cg)[0], reached))
+    return report
 
 
 def _graph_notes(report: Report, *, step: Any, eager: bool, over: bool, checked: int | None, compiler: str) -> None:

@@ -206,3 +206,30 @@ def test_a_bucket_plan_is_priced_from_the_family_measured_before(monkeypatch):
     assert any("carried from an earlier plan" in note for note in fast.report.notes)
     peaks = [p for s in fast.remat_steps.values() for p in s.step_peaks]
     assert peaks and max(peaks) <= fast.report.budget_bytes
+
+
+def test_a_module_bucket_plan_carries_the_block_seconds_measured_before(monkeypatch):
+    import graphs.module_mode
+    from graphs.memory import measure_peak
+    from graphs.units import GiB
+
+    model = _mlp()
+    x = torch.randn(1024, 64)
+    plain = measure_peak(lambda: model(x).square().mean().backward(), roots=[model]).peak_bytes
+    for p in model.parameters():
+        p.grad = None
+    blocks = _counting(monkeypatch, graphs.module_mode, "measure_block_actions")
+    made = _counting(monkeypatch)
+    fast = solver.optimize(model, 0.82 * plain / GiB, mode="module")
+    plain_grads = []
+    for n in (768, 1024):
+        batch = torch.randn(n, 64)
+        got = _grads(model, fast(batch))
+        plain_grads.append((got, _grads(model, model(batch))))
+    settle_open_judges()
+    assert len(made) == 2 and len(blocks) == 1  # the bucket's plan ran no block again
+    assert fast.report.schedule.info["measured"]
+    for got, want in plain_grads:
+        assert all(torch.allclose(g, w, atol=1e-6) for g, w in zip(got, want))
+    peaks = [p for s in fast.remat_steps.values() for p in s.step_peaks]
+    assert peaks and max(peaks) <= fast.report.budget_bytes
