@@ -129,6 +129,25 @@ def module_speed_table() -> str:
     return "\n".join(out) + f"\n\n{data['clock']}, {data['repeats']} runs after {data['warmup']} warm-up.\n"
 
 
+def per_block_speed_table() -> str:
+    """``per_block_speed.json``: remat's plan against checkpointing every block, per model,
+    mode, CUDA-dispatch emulation and budget."""
+    data = _load("per_block_speed.json")
+    out = ["| model | mode | emulated | budget | status | step peak / budget | predicted error | "
+           "planned again | step / per-block |", "|---|---|---|---|---|---|---|---|---|"]
+    for r in data["rows"]:
+        budget = f"{r['fraction']}x {'per-block' if r['of'] == 'per_block' else 'plain'}"
+        if r.get("status") != "planned":
+            meets = "per-block meets it" if r.get("per_block_meets_budget") else "per-block does not meet it either"
+            out.append(f"| {r['model']} | {r['mode']} | {r['emulated']} | {budget} | {r.get('status')} ({meets}) "
+                       "| | | | |")
+            continue
+        out.append(f"| {r['model']} | {r['mode']} | {r['emulated']} | {budget} | planned "
+                   f"| {r['step_peak_bytes'] / r['budget_bytes']:.3f} | {100 * r['prediction_error']:+.2f} % "
+                   f"| {'yes' if r['planned_again'] else 'no'} | {r['remat_vs_per_block']:.2f}x |")
+    return "\n".join(out) + f"\n\n{data['clock']}, {data['repeats']} runs after {data['warmup']} warm-up.\n"
+
+
 def _counts(values) -> dict:
     out: dict = {}
     for v in values:
@@ -350,6 +369,13 @@ block, step time and allocator peak of each (goal: module mode no slower than
 per-block checkpointing).
 
 {{module_speed}}
+`python benchmarks/per_block_speed.py` (`per_block_speed.json`): the per-block zoo of
+`tests/solver/test_per_block_zoo.py` (random weights), both modes, CUDA's dispatch
+emulated on the CPU or not, at 1.02x and 1.10x of per-block checkpointing's allocator
+peak and at 0.7 of the plain step; the step's allocator peak against the budget, the
+prediction's error, and process CPU time against per-block checkpointing's (interleaved).
+
+{{per_block_speed}}
 ## Capture
 
 `python benchmarks/capture.py` (one thread, a fresh process per case, weights never
@@ -388,6 +414,7 @@ TABLES = {
     "offload": offload_table,
     "offload_steps": offload_steps_table,
     "module_speed": module_speed_table,
+    "per_block_speed": per_block_speed_table,
     "training_loops": training_loops_table,
     "capture": capture_table,
     "planning": planning_table,

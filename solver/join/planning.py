@@ -355,7 +355,7 @@ BLOCK_REPEATS = 3
 
 #: module mode plans this fraction of the budget below it, so that the step that checks
 #: a plan measures within the budget: its prediction of eager autograd's lifetimes is
-#: within about 1 % (a gradient-checkpointed GPT measured 0.14 % over its prediction)
+#: within about 1 % (docs/tuning.md)
 MODULE_RESERVE = 0.01
 
 #: graph mode plans this fraction of the budget below it where a plan leaves room, so that
@@ -741,9 +741,7 @@ class EagerStep:
 
 #: module mode's actions whose memory the plan predicts within about 1 %: a block run as
 #: it is, or checkpointed whole (``torch.utils.checkpoint``). What a selective policy
-#: saves depends on how torch dispatches the block's ops (measured on a small
-#: torchvision-style ViT, every encoder layer saving its matmuls: predicted 302 KiB,
-#: 350 KiB by the allocator, the plain step's peak).
+#: saves depends on how torch dispatches the block's ops (docs/tuning.md).
 EXACT_ACTIONS = ("none", "full")
 
 
