@@ -364,12 +364,17 @@ FLOOR_MARGIN = 0.01
 FLOOR_ACTIONS = ("none", "full")
 
 
-def _named_key(args: tuple, kwargs: dict, budget: int, floors: Any) -> tuple:
+def inputs_key(args: tuple, kwargs: dict) -> tuple:
+    """The shapes and dtypes of a step's inputs (other leaves by ``repr``): what tells two
+    steps of one model apart for the figures remembered of it."""
     from graphs.torch_internals import tree_leaves
 
-    shapes = tuple((tuple(t.shape), str(t.dtype)) if isinstance(t, torch.Tensor) else repr(t)
-                   for t in tree_leaves((args, kwargs)))
-    return shapes, int(budget), floors is not None
+    return tuple((tuple(t.shape), str(t.dtype)) if isinstance(t, torch.Tensor) else repr(t)
+                 for t in tree_leaves((args, kwargs)))
+
+
+def _named_key(args: tuple, kwargs: dict, budget: int, floors: Any) -> tuple:
+    return inputs_key(args, kwargs), int(budget), floors is not None
 
 
 def _floor_plan(floors: Callable[..., Any], actions: tuple[str, ...], budget: int) -> Any:

@@ -11,6 +11,7 @@ from __future__ import annotations
 import contextlib
 import logging
 import time
+import weakref
 from dataclasses import dataclass
 from typing import Any, Callable, Iterator
 
@@ -28,7 +29,7 @@ from graphs.planned import ModuleStep
 from graphs.repeated import capture_cut
 from graphs.rewrite import replay_random_ops
 from graphs.units import format_bytes
-from solver.join.checks import PlanningInputs, Session, fit_measured, measured_peak, self_check
+from solver.join.checks import PlanningInputs, Session, fit_measured, inputs_key, measured_peak, self_check
 from solver.errors import InfeasibleBudget, SolverError
 from solver.join.fixed import SEED_RESERVE, untracked_bytes
 from solver.module_plan import hold_node_inputs, plan_modules
@@ -143,7 +144,7 @@ def _plan_step(model: nn.Module, args: tuple, kwargs: dict, *, request: Request,
     # another margin, prices this one: its measured op costs are carried, scaled
     like = session.report.graph if session.report is not None else None
     cap = measure_within(capture_step(model, args, kwargs, request=request), request=request, held_back=held_back,
-                         like=like)
+                         like=like, runs=measuring_runs(model, args, kwargs))
     session.saw(cap.planning_peak)
     if request.mode == "module":
         # the block seconds of an earlier plan whose op costs were carried are carried too
@@ -242,8 +243,30 @@ def capture_step(model: nn.Module, args: tuple, kwargs: dict, *, request: Reques
                     capture_seconds=capture_s, solve_start=time.perf_counter(), cut=cut)
 
 
+#: per model, the schedules that measured its step's op costs, by the inputs' shapes:
+#: ``(the allocator's peak of the run, the schedule)``, which :func:`measure_within` runs
+#: again where one fits the target (a figure a refusal named is met again by the run
+#: that made it, not by another schedule that fits only by the estimates)
+_MEASURED: "weakref.WeakKeyDictionary[nn.Module, dict]" = weakref.WeakKeyDictionary()
+
+
+def measuring_runs(model: nn.Module, args: tuple, kwargs: dict) -> list:
+    """The schedules that measured op costs of ``model``'s step on inputs of these
+    shapes, with their peaks (a list :func:`measure_within` reads and adds to)."""
+    return _MEASURED.setdefault(model, {}).setdefault(inputs_key(args, kwargs), [])
+
+
+def _measured_fit(runs: list, graph: ComputeGraph, target: int) -> list | None:
+    """The schedule of ``runs`` with the highest measured peak within ``target`` that is
+    still a valid schedule of ``graph``; None where none is."""
+    for peak, sequence in sorted(runs, key=lambda r: -r[0]):
+        if peak <= target and all(v in graph.nx for v in sequence) and simulate(graph, sequence).valid:
+            return list(sequence)
+    return None
+
+
 def measure_within(cap: Captured, *, request: Request, held_back: int = 0,
-                   like: ComputeGraph | None = None) -> Captured:
+                   like: ComputeGraph | None = None, runs: list | None = None) -> Captured:
     """Measure the captured step's op workspaces (and times, unless
     ``request.measure_time`` is False) by running schedules of it
     (:func:`graphs.measured.measure_in_schedule`) that do not need the memory the plan
@@ -263,7 +286,10 @@ def measure_within(cap: Captured, *, request: Request, held_back: int = 0,
     same step at other sizes (an earlier plan's); where every op of the capture is one
     of its ops, its figures are carried, scaled to the new sizes
     (:func:`graphs.measured.carry_costs`), and nothing runs: the plan's memory is
-    judged by the allocator on its checked step as any plan's."""
+    judged by the allocator on its checked step as any plan's. ``runs``: the schedules
+    that measured this step before, with their measured peaks
+    (:func:`measuring_runs`): one that fits the target is run again before any schedule
+    that fits only by the estimates, and the run made here is added."""
     from dataclasses import replace
 
     from graphs.measured import carry_costs, measure_in_schedule, probe_workspaces
@@ -293,7 +319,9 @@ def measure_within(cap: Captured, *, request: Request, held_back: int = 0,
         sequence = list(run_on.order)
     else:  # schedules of a view whose random ops may run again, as the rewrite replays them
         view = replayed_view(run_on)
-        sequence = lowest_peak_sequence(view, target=int(target - more))
+        sequence = _measured_fit(runs or [], view, target) if cap.cut is None else None
+        if sequence is None:
+            sequence = lowest_peak_sequence(view, target=int(target - more))
         if request.offload and simulate(view, sequence).peak_bytes > target - more:
             # what no recomputation reaches is measured in a plan that offloads
             planned = offload_only(view, int(target - more), request=request)
@@ -303,6 +331,8 @@ def measure_within(cap: Captured, *, request: Request, held_back: int = 0,
     if cap.cut is not None:
         cap.cut.copy_costs()
     judged = [p + untracked_bytes(cg) + beside for p in peaks if p is not None]
+    if runs is not None and peaks[1] is not None and cap.cut is None and not offloads:
+        runs.append((peaks[1] + untracked_bytes(cg), tuple(sequence)))
     return replace(cap, store_all=simulate(cg, cg.order).peak_bytes, measure_seconds=time.perf_counter() - t0,
                    planning_peak=max(judged) if judged else None,
                    measured_with=tuple(sequence) if cap.cut is None else None, solve_start=time.perf_counter())
