@@ -16,7 +16,11 @@ import dataclasses
 from dataclasses import dataclass
 from typing import Any
 
-__all__ = ["FixedCharges", "charge", "fixed_charges"]
+__all__ = ["FixedCharges", "charge", "fixed_charges", "kept_states", "REPLAY_KEY"]
+
+#: ``graph.meta`` key of the record of the random ops a rewrite replays
+#: (:class:`graphs.rewrite.RandomReplay`, one writer: :func:`graphs.rewrite.replay_random_ops`)
+REPLAY_KEY = "random_replay"
 
 _KEY = "fixed_charges"
 
@@ -100,3 +104,26 @@ def charge(graph: Any, **fields: int) -> FixedCharges:
     graph.meta[_KEY] = dataclasses.asdict(charges)
     graph.meta["extra_fixed_bytes"] = charges.total
     return charges
+
+
+def kept_states(graph: Any) -> tuple[dict, int]:
+    """The random ops whose generator states ``FixedCharges.rng_states`` charges for the
+    whole step, each mapped to the op that draws (a multi-output op's projections share
+    their ``group``'s state), and the bytes of one state: 0 where the states live outside
+    the budget's memory (CUDA's) or the graph's record predates the figure. A schedule
+    holds an op's state only from its first run to its last, and only where it runs the
+    op more than once (:func:`solver.simulate.simulate` gives back the rest).
+
+    Examples
+    --------
+    >>> from graphs import ComputeGraph
+    >>> g = ComputeGraph(); g.add_node("mask", bytes=64)
+    >>> g.meta[REPLAY_KEY] = {"ops": ["mask"], "state_bytes": 10112, "per_state": 5056}
+    >>> kept_states(g)
+    ({'mask': 'mask'}, 5056)
+    """
+    record = graph.meta.get(REPLAY_KEY)
+    per = int(record.get("per_state", 0)) if isinstance(record, dict) else 0
+    if not per:
+        return {}, 0
+    return {v: graph[v].get("group") or v for v in record["ops"] if v in graph.nx}, per

@@ -52,7 +52,7 @@ import torch.fx as fx
 from graphs import host_pool
 from graphs.capture import node_draws
 from graphs.errors import RematError
-from graphs.fixed import charge
+from graphs.fixed import REPLAY_KEY, charge
 from graphs.torch_internals import (FakeTensorMode, boxed_codegen, detect_fake_mode, fake_value, is_op_overload,
                                      lazy_graph_module, op_schema)
 
@@ -121,7 +121,6 @@ def rng_state_bytes(device: torch.device | str = "cpu") -> int:
 _RNG_KEY = "rng:"  # env key of the generator state kept for a random op
 
 
-_REPLAY_KEY = "random_replay"  # graph.meta key of the RandomReplay record (one writer: replay_random_ops)
 
 
 @dataclass(frozen=True)
@@ -135,16 +134,20 @@ class RandomReplay:
         The random ops it made recomputable.
     state_bytes : int
         Bytes of the generator states it charged (``FixedCharges.rng_states``; 0 when
-        the states live on CUDA, outside the budget's memory).
+        the states live on CUDA, outside the budget's memory): one per op, and one
+        more for the state a replay swaps out while the op runs.
+    per_state : int
+        Bytes of one state (0 on CUDA): :func:`graphs.fixed.kept_states`.
 
     Examples
     --------
-    >>> RandomReplay(ops=("mask",), state_bytes=5056).ops
+    >>> RandomReplay(ops=("mask",), state_bytes=10112, per_state=5056).ops
     ('mask',)
     """
 
     ops: tuple = ()
     state_bytes: int = 0
+    per_state: int = 0
 
 
 def random_replay(graph) -> RandomReplay | None:
@@ -157,12 +160,13 @@ def random_replay(graph) -> RandomReplay | None:
     >>> random_replay(ComputeGraph()) is None
     True
     """
-    got = graph.meta.get(_REPLAY_KEY)
+    got = graph.meta.get(REPLAY_KEY)
     if got is None:
         return None
     if got is True:  # a graph file written when the record was a bare flag
         return RandomReplay()
-    return RandomReplay(ops=tuple(got["ops"]), state_bytes=int(got["state_bytes"]))
+    return RandomReplay(ops=tuple(got["ops"]), state_bytes=int(got["state_bytes"]),
+                        per_state=int(got.get("per_state", 0)))
 
 
 def replay_random_ops(graph) -> int:
@@ -172,7 +176,9 @@ def replay_random_ops(graph) -> int:
     are the same on every run: the ops become ``recomputable`` (the simulator still
     keeps their first runs in the reference order, ``meta["ordered"]``). Each kept
     state (one per op: the projections of a multi-output op such as ``native_dropout``
-    share theirs) is charged to the fixed bytes when it lives on the device (on CPU). What it
+    share theirs), and one more that a replay swaps out while its op runs, is charged to
+    the fixed bytes when it lives on the device (on CPU): the most a schedule can hold; the
+    simulator gives back what a schedule does not hold (:func:`graphs.fixed.kept_states`). What it
     did is the graph's :class:`RandomReplay` record (:func:`random_replay`); a graph
     that has one is left as it is, so calling it again changes nothing.
 
@@ -206,9 +212,10 @@ def replay_random_ops(graph) -> int:
     info = graph.capture_info
     inputs = getattr(info, "flat_inputs", None) or []
     on_cpu = not any(isinstance(t, torch.Tensor) and t.device.type == "cuda" for t in inputs)
-    extra = states * rng_state_bytes("cpu") if on_cpu else 0
+    per = rng_state_bytes("cpu") if on_cpu and states else 0
+    extra = (states + 1) * per if per else 0
     charge(graph, rng_states=extra)
-    graph.meta[_REPLAY_KEY] = dataclasses.asdict(RandomReplay(ops=tuple(random), state_bytes=extra))
+    graph.meta[REPLAY_KEY] = dataclasses.asdict(RandomReplay(ops=tuple(random), state_bytes=extra, per_state=per))
     graph._invalidate()
     return len(random)
 

@@ -14,6 +14,10 @@ Memory model (the same one the public benchmark graphs use):
   ``group``) that directly follow each other in group order are one run of the op:
   a later one is charged ``run_workspace`` instead of ``workspace``, and no time; the
   projection that starts a run pays the whole op (``group_time``, when given).
+* Random ops that a rewrite replays (:func:`graphs.fixed.kept_states`): the fixed bytes
+  charge every op's generator state and one more; a step holds an op's state only
+  from the op's first run to its last where it runs more than once, and one more
+  during a run that replays it: the rest is given back.
 * An op is valid only when every op it reads has a live, on-device copy, and the
   nodes listed in ``graph.meta["ordered"]`` (random ops, which draw from one
   generator) first run in that order.
@@ -33,6 +37,7 @@ from typing import TYPE_CHECKING, Hashable, Sequence
 import numpy as np
 
 from graphs import ComputeGraph
+from graphs.fixed import kept_states
 from solver.schedule import Schedule
 
 if TYPE_CHECKING:
@@ -144,7 +149,7 @@ def simulate(
         deadline.check("replaying a schedule")
     curve = _device_bytes(graph, n_steps, rep, holes)
     compute, workspace = _steps(nodes, sequence, deadline)
-    curve = curve + workspace
+    curve = curve + workspace - _states_not_held(graph, sequence)
     if offloads and bandwidth:
         step_cost = np.maximum(compute, np.maximum(d2h, h2d) / bandwidth)
         cost = float(step_cost.sum())
@@ -307,6 +312,29 @@ def _device_bytes(graph: ComputeGraph, n_steps: int, rep: _Replay, holes) -> np.
             delta[lo2] -= b
             delta[hi2 + 1] += b
     return np.cumsum(delta[:n_steps]) + graph.fixed_bytes
+
+
+def _states_not_held(graph: ComputeGraph, sequence) -> np.ndarray | int:
+    """Phase 4b: at each step, the bytes of the generator states that the fixed bytes
+    charge (:func:`graphs.fixed.kept_states`: one per random op, one for a replay's
+    swap) and the schedule does not hold."""
+    ops, per = kept_states(graph)
+    if not per:
+        return 0
+    nodes, n = graph.node_data, len(sequence)
+    runs: dict = {}
+    for t, v in enumerate(sequence):
+        if v in ops and not _continues_run(nodes, sequence, t):
+            runs.setdefault(ops[v], []).append(t)
+    held = np.zeros(n + 1, dtype=np.int64)
+    for ts in runs.values():
+        if len(ts) > 1:
+            held[ts[0]] += 1
+            held[ts[-1] + 1] -= 1
+            for t in ts[1:]:  # the state swapped out while the replay runs
+                held[t] += 1
+                held[t + 1] -= 1
+    return (len(set(ops.values())) + 1 - np.cumsum(held[:n])) * per
 
 
 def _steps(nodes, sequence, deadline) -> tuple[np.ndarray, np.ndarray]:

@@ -94,3 +94,24 @@ def test_simulate_rejects_non_recomputable_twice():
     g = random_dag(3, seed=0)
     g[g.ops[0]]["recomputable"] = False
     assert not simulate(g, g.ops + [g.ops[0]]).valid
+
+
+def test_a_random_ops_generator_state_is_held_from_its_first_run_to_its_last():
+    from graphs.fixed import REPLAY_KEY, charge
+
+    g = ComputeGraph()
+    for v in "abcd":
+        g.add_node(v, bytes=10, time=1.0)
+    g.add_edge("a", "b"); g.add_edge("b", "c"); g.add_edge("c", "d")
+    g["d"]["output"] = True
+    # two random ops, a and c: fixed bytes charge both states and a replay's swap
+    g.meta[REPLAY_KEY] = {"ops": ["a", "c"], "state_bytes": 3 * 7, "per_state": 7}
+    charge(g, rng_states=3 * 7)
+    once = simulate(g, ["a", "b", "c", "d"])
+    assert list(once.memory_curve) == [10, 20, 20, 20]  # no op runs twice: no state kept
+    again = simulate(g, ["a", "b", "a", "c", "d"])
+    # a's state lives from its first run to its last, and one more while it replays
+    assert list(again.memory_curve) == [10 + 7, 20 + 7, 20 + 14, 20, 20]
+    # with no per-state figure (a graph file written before it), the whole charge stays
+    g.meta[REPLAY_KEY] = {"ops": ["a", "c"], "state_bytes": 21}
+    assert list(simulate(g, ["a", "b", "a", "c", "d"]).memory_curve) == [31, 41, 41, 41, 41]
