@@ -114,13 +114,6 @@ def _cases():
 #: peak, and why (each is checked to miss still: one that no longer misses fails until it
 #: leaves the list)
 MISSES = {
-    # every random op's generator state (5056 bytes on CPU) is charged for the whole step
-    # (FixedCharges.rng_states), where the rewrite keeps one only for an op it runs again,
-    # from its first run to its last: over-predicted by up to 8 %
-    ("gpt_cross_entropy", "graph"): "graph mode charges every random op's generator state for the whole step",
-    ("encoder_dropout", "graph"): "graph mode charges every random op's generator state for the whole step",
-    ("hf_gpt2", "graph"): "graph mode charges every random op's generator state for the whole step",
-    ("vit", "graph"): "graph mode charges every random op's generator state for the whole step",
     # eager blocks hold what their Python locals name (q, k, v: views of the qkv
     # projection; the attention's output) until their forward returns, and checkpoint
     # keeps a CPU generator state per block: the simulator frees after the last reader
