@@ -16,7 +16,7 @@ import dataclasses
 from dataclasses import dataclass
 from typing import Any
 
-__all__ = ["FixedCharges", "charge", "fixed_charges", "kept_states", "REPLAY_KEY"]
+__all__ = ["FixedCharges", "charge", "fixed_charges", "kept_states", "states_not_sure", "REPLAY_KEY"]
 
 #: ``graph.meta`` key of the record of the random ops a rewrite replays
 #: (:class:`graphs.rewrite.RandomReplay`, one writer: :func:`graphs.rewrite.replay_random_ops`)
@@ -127,3 +127,20 @@ def kept_states(graph: Any) -> tuple[dict, int]:
     if not per:
         return {}, 0
     return {v: graph[v].get("group") or v for v in record["ops"] if v in graph.nx}, per
+
+
+def states_not_sure(graph: Any) -> int:
+    """Bytes of the fixed charge that a schedule may not hold: every generator state of
+    :func:`kept_states` and the replay's one more. A lower bound on the peak counts the
+    fixed bytes less these.
+
+    Examples
+    --------
+    >>> from graphs import ComputeGraph
+    >>> g = ComputeGraph(); g.add_node("mask", bytes=64)
+    >>> g.meta[REPLAY_KEY] = {"ops": ["mask"], "state_bytes": 10112, "per_state": 5056}
+    >>> states_not_sure(g)
+    10112
+    """
+    ops, per = kept_states(graph)
+    return (len(set(ops.values())) + 1) * per if per else 0

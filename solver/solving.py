@@ -14,6 +14,7 @@ import time
 
 from graphs import ComputeGraph
 from graphs.compute_graph import validated
+from graphs.fixed import states_not_sure
 from solver.errors import BudgetNotReached, InfeasibleBudget, NoScheduleFound
 from solver.feasibility import peak_lower_bound
 from solver.grading import culprit_label, grade
@@ -224,6 +225,7 @@ def infeasible(graph: ComputeGraph, budget: int) -> InfeasibleBudget:
     from solver.methods.minpeak import smallest_feasible_peak
 
     found, lb, culprit = smallest_feasible_peak(graph)
+    lb = max(0, lb - states_not_sure(graph))  # (the bounds charge every generator state)
     cls = InfeasibleBudget if budget < lb else BudgetNotReached
     return cls(budget, found, lower_bound_bytes=lb, culprit=culprit, culprit_name=culprit_label(graph, culprit))
 
@@ -395,6 +397,7 @@ def _not_reached(graph: ComputeGraph, budget: int, exc: NoScheduleFound, left: f
         # between the bounds: the bounds of recomputing schedules may prove it infeasible
         lb, culprit, held, before = _raised_bound(graph, lb, culprit, found, budget=budget,
                                                   left=None if left is None else left - (time.perf_counter() - t0))
+    lb = max(0, lb - states_not_sure(graph))  # (the bounds charge every generator state)
     cls = InfeasibleBudget if budget < lb else BudgetNotReached
     return cls(budget, found, lower_bound_bytes=lb, culprit=culprit, culprit_name=culprit_label(graph, culprit),
                held_bytes=held, held_before=before, held_what=_held_what(graph, culprit, held))
@@ -459,6 +462,7 @@ def _sharpened(graph: ComputeGraph, exc: InfeasibleBudget, left: float | None) -
     if exc.proven or (left is not None and left < FIGURES_MIN_SECONDS):
         return exc
     raised, culprit, held, before = _raised_bound(graph, lb, exc.culprit, found, budget=None, left=left)
+    raised = max(0, raised - states_not_sure(graph))  # (the bounds charge every generator state)
     if raised <= lb:
         return exc
     return InfeasibleBudget(exc.budget_bytes, found, lower_bound_bytes=raised, culprit=culprit,

@@ -216,7 +216,8 @@ def _small_gpt():
     cg = capture(model, (idx,), backward="outputs", measure_time=False)
     charge_loss(cg, loss_fn)
     replay_random_ops(cg)
-    base = [list(cg.order), solve(cg, simulate(cg, cg.order).peak_bytes, method="checkpoint_all").sequence]
+    # (room for the generator states that recomputed dropout keeps, which store-all does not)
+    base = [list(cg.order), solve(cg, 2 * simulate(cg, cg.order).peak_bytes, method="checkpoint_all").sequence]
     assert len(base[1]) > len(base[0])  # it recomputes
     return model, (idx,), loss_fn, cg, base
 
