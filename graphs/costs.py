@@ -37,7 +37,7 @@ from graphs.errors import CaptureError
 from graphs.hardware import Hardware
 from graphs.memory import AllocatorPeak, peak_of_events, quiet_profile, settle_open_judges
 from graphs.torch_internals import (allocation_events, is_op_overload, labelled_spans, op_schema, profiler_running,
-                                   tree_leaves)
+                                   release_results, tree_leaves)
 
 __all__ = [
     "StorageRecord",
@@ -480,9 +480,10 @@ def measure_workspaces(runner: StepRunner, *, devices: set[str]) -> WorkspaceRun
             if not accelerators:
                 with quiet_profile(activities=[torch.profiler.ProfilerActivity.CPU], profile_memory=True) as prof:
                     runner(_LabelledInterpreter)
-                events = allocation_events(prof)
+                events, spans = allocation_events(prof), labelled_spans(prof, _SPAN)
+                release_results(prof)
                 peak = peak_of_events(b for _, b, dev in events if dev == "cpu")[0]
-                return WorkspaceRun(_workspace_of_spans(events, labelled_spans(prof, _SPAN), "cpu"), peak)
+                return WorkspaceRun(_workspace_of_spans(events, spans, "cpu"), peak)
             device = torch.device(sorted(accelerators)[0])
             workspace: dict[str, int] = {}
             peaks = [0]

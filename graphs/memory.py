@@ -47,7 +47,7 @@ import torch
 
 from graphs.errors import RematError
 from graphs.torch_internals import (TorchDispatchMode, allocation_events, labelled_spans, profiler_running,
-                                   tree_leaves)
+                                   release_results, tree_leaves)
 
 __all__ = ["AllocatorPeak", "generators_kept", "judge_available", "quiet_profile", "resident_bytes", "settle_open_judges", "MemoryTracker", "SavedTensorCounter", "measure_peak", "peak_of_events"]
 
@@ -503,6 +503,7 @@ class AllocatorPeak:
             if self._cut is not None:
                 end = min((start for _, start, _ in labelled_spans(self._prof, _CUT)), default=None)
                 events = [e for e in events if end is None or e[0] < end]
+            release_results(self._prof)
             self._prof = None
             peak, net = peak_of_events(b for _, b, dev in events if dev == "cpu")
         elif self._cut is not None:

@@ -530,7 +530,7 @@ def _hooks_off(modules: list) -> Iterator[None]:
 
 
 # ---------------------------------------------------------------- profiler results
-__all__ += ["profiler_running", "allocation_events", "labelled_spans"]
+__all__ += ["profiler_running", "allocation_events", "labelled_spans", "release_results"]
 
 
 def profiler_running() -> bool:
@@ -573,6 +573,20 @@ def labelled_spans(prof: Any, prefix: str) -> list[tuple[str, int, int]]:
            if e.name().startswith(prefix)]
     out.sort(key=lambda ev: ev[1])
     return out
+
+
+def release_results(prof: Any) -> None:
+    """Free the native results a finished ``torch.profiler.profile`` holds, now.
+
+    A ``torch.profiler.profile`` refers to itself (its action map holds its bound
+    methods), so its results are otherwise freed whenever the garbage collector next
+    runs: maybe in the middle of a later profiled step, where torch 2.15's kineto
+    crashes freeing a memory-profiling trace (a segmentation fault in
+    ``ActivityBuffers``' destructor, seen after a Trainer run and a compiled step).
+    Read the events first: they are gone after this."""
+    inner = getattr(prof, "profiler", None)
+    if inner is not None:
+        inner.kineto_results = None
 
 
 # ---------------------------------------------------------------- autograd engine
