@@ -34,6 +34,7 @@ What the wrapper keeps of a drop-in's contract, beyond forward's outputs:
 
 from __future__ import annotations
 
+import contextvars
 import copy
 import functools
 import logging
@@ -50,7 +51,7 @@ from graphs.errors import RematError
 from graphs.torch_internals import (TorchDispatchMode, forward_hooks, hook_registrations, root_hooks_off,
                                    tree_flatten, tree_unflatten)
 
-__all__ = ["HookNotRun", "ModuleStep", "NotPicklable", "PLAN_CACHE_SIZE", "SIZED_CACHE_SIZE", "Planner",
+__all__ = ["HookNotRun", "in_compiled_call", "ModuleStep", "NotPicklable", "PLAN_CACHE_SIZE", "SIZED_CACHE_SIZE", "Planner",
            "Resizer", "bucket_sizes", "grown_inputs", "input_signature", "parameters_read", "same_forward",
            "size_family",
            "wrap_planned"]
@@ -425,6 +426,9 @@ def _install(wrapper: nn.Module, model: nn.Module, planner: Planner,
     def forward(*args: Any, **kwargs: Any) -> Any:
         if not (wrapper.training and model.training and torch.is_grad_enabled()):
             return original_forward(wrapper, *args, **kwargs)
+        if torch.compiler.is_compiling():
+            # traced once by Dynamo, and the store replayed before every compiled call
+            cache.compiled_call = True
         return cache.planned_forward(args, kwargs)
 
     def train(mode: bool = True) -> nn.Module:
@@ -438,6 +442,25 @@ def _install(wrapper: nn.Module, model: nn.Module, planner: Planner,
     wrapper.__reduce_ex__ = functools.partial(_reduce, wrapper, model)
     wrapper.remat_steps = cache.steps
     wrapper.remat_plan_now = cache.plan_now
+
+
+_IN_COMPILED_CALL: contextvars.ContextVar[bool] = contextvars.ContextVar("remat_in_compiled_call", default=False)
+
+
+def in_compiled_call() -> bool:
+    """Whether the planned step running now was called from a frame that
+    ``torch.compile`` compiled (``torch.compile(fast)``, or a compiled function that
+    calls it). On CPU the watch does not start its profiler there: a CPU profiler
+    started inside a compiled call and left running into the next one made the
+    gradients of later steps wrong (torch 2.15, backends "eager" and "aot_eager",
+    about a third of fresh processes).
+
+    Examples
+    --------
+    >>> in_compiled_call()
+    False
+    """
+    return _IN_COMPILED_CALL.get()
 
 
 class _PlanCache:
@@ -457,6 +480,7 @@ class _PlanCache:
         self.templates: dict[tuple, tuple] = {}  # per planned signature, its call's keywords (_call_template)
         self.same_as: dict[tuple, tuple | None] = {}  # a new signature -> the planned one it runs, or None
         self.sized: set[tuple] = set()  # signatures whose steps run another signature's plan (resizer)
+        self.compiled_call = False  # the running call came through a torch.compile'd frame
 
     @torch.compiler.disable
     def plan_now(self, args: tuple, kwargs: dict) -> Any:
@@ -575,7 +599,12 @@ class _PlanCache:
             steps.move_to_end(key)
         if getattr(step, "hooks_captured", True):
             self.check_hooks()
-        return step(self.wrapper, args, kwargs)
+        compiled, self.compiled_call = self.compiled_call, False
+        token = _IN_COMPILED_CALL.set(compiled)
+        try:
+            return step(self.wrapper, args, kwargs)
+        finally:
+            _IN_COMPILED_CALL.reset(token)
 
     def as_planned_call(self, args: tuple, kwargs: dict, key: tuple) -> tuple[tuple, dict, tuple]:
         """The call made like a planned call (its keywords) where the two differ only in

@@ -25,6 +25,11 @@ no synchronization, and no reset of the peak statistics, which are the user's
 whose peak stays under a peak reached before it is known to be at most that one, which
 settles a step within the budget; otherwise the next step is measured again (at most
 :data:`UNSEEN_TRIES` steps), and the report says why none was.
+
+A step called from a ``torch.compile``'d frame is not measured on CPU
+(:func:`graphs.planned.in_compiled_call`): the report says so once. Measure such a
+step from outside the compiled call, e.g. with :class:`graphs.memory.AllocatorPeak`
+around the call and its backward.
 """
 
 from __future__ import annotations
@@ -39,11 +44,12 @@ from torch.optim.optimizer import register_optimizer_step_pre_hook
 
 from graphs import RematError
 from graphs.memory import AllocatorPeak, resident_bytes, settle_open_judges
+from graphs.planned import in_compiled_call
 from graphs.torch_internals import at_backward_end, tree_leaves
 from graphs.units import format_bytes
 from solver.join.fixed import untracked_bytes
 
-__all__ = ["WATCH", "WatchedStep", "DevicePeak", "step_device", "UNSEEN_TRIES"]
+__all__ = ["COMPILED_NOTE", "WATCH", "WatchedStep", "DevicePeak", "step_device", "UNSEEN_TRIES"]
 
 log = logging.getLogger(__name__)
 
@@ -129,6 +135,13 @@ class DevicePeak:
         self.cut()
 
 
+#: the report's note where a step came through a torch.compile'd frame on CPU
+COMPILED_NOTE = ("steps called from a torch.compile'd frame are not measured on CPU: a CPU profiler started inside "
+                 "a compiled call and left running into the next one made later steps' gradients wrong (torch "
+                 "2.15); measure such a step from outside the compiled call (graphs.memory.AllocatorPeak around "
+                 "the call and its backward)")
+
+
 class WatchedStep:
     """A planned step whose real training steps are measured against the budget.
 
@@ -181,6 +194,10 @@ class WatchedStep:
         if not self._measures():
             return self.step(module, args, kwargs)
         device = step_device(module, args, kwargs)
+        if device.type == "cpu" and in_compiled_call():
+            if COMPILED_NOTE not in self.report.notes:
+                self.report.notes.append(COMPILED_NOTE)
+            return self.step(module, args, kwargs)
         judge = (AllocatorPeak(module, (args, kwargs)) if device.type == "cpu"
                  else DevicePeak(module, (args, kwargs), device=device))
         try:
