@@ -225,7 +225,7 @@ def infeasible(graph: ComputeGraph, budget: int) -> InfeasibleBudget:
     from solver.methods.minpeak import smallest_feasible_peak
 
     found, lb, culprit = smallest_feasible_peak(graph)
-    lb = max(0, lb - states_not_sure(graph))  # (the bounds charge every generator state)
+    lb = _sure(graph, lb)
     cls = InfeasibleBudget if budget < lb else BudgetNotReached
     return cls(budget, found, lower_bound_bytes=lb, culprit=culprit, culprit_name=culprit_label(graph, culprit))
 
@@ -397,7 +397,7 @@ def _not_reached(graph: ComputeGraph, budget: int, exc: NoScheduleFound, left: f
         # between the bounds: the bounds of recomputing schedules may prove it infeasible
         lb, culprit, held, before = _raised_bound(graph, lb, culprit, found, budget=budget,
                                                   left=None if left is None else left - (time.perf_counter() - t0))
-    lb = max(0, lb - states_not_sure(graph))  # (the bounds charge every generator state)
+    lb = _sure(graph, lb)
     cls = InfeasibleBudget if budget < lb else BudgetNotReached
     return cls(budget, found, lower_bound_bytes=lb, culprit=culprit, culprit_name=culprit_label(graph, culprit),
                held_bytes=held, held_before=before, held_what=_held_what(graph, culprit, held))
@@ -447,6 +447,13 @@ def _raised_bound(graph: ComputeGraph, lb: int, culprit, found: int, *, budget: 
     return lb, culprit, held, before
 
 
+def _sure(graph: ComputeGraph, bound: int) -> int:
+    """A lower bound of the bounds (which charge every generator state a replay may hold)
+    made sound for a refusal: less the states a schedule may not hold
+    (:func:`graphs.fixed.states_not_sure`)."""
+    return max(0, bound - states_not_sure(graph))
+
+
 def _held_what(graph: ComputeGraph, culprit, held: int) -> str | None:
     """What the ``held`` bytes beside ``culprit`` hold, in words (None: nothing held)."""
     from solver.feasibility import run_once_held
@@ -462,7 +469,7 @@ def _sharpened(graph: ComputeGraph, exc: InfeasibleBudget, left: float | None) -
     if exc.proven or (left is not None and left < FIGURES_MIN_SECONDS):
         return exc
     raised, culprit, held, before = _raised_bound(graph, lb, exc.culprit, found, budget=None, left=left)
-    raised = max(0, raised - states_not_sure(graph))  # (the bounds charge every generator state)
+    raised = _sure(graph, raised)
     if raised <= lb:
         return exc
     return InfeasibleBudget(exc.budget_bytes, found, lower_bound_bytes=raised, culprit=culprit,
