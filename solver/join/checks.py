@@ -593,7 +593,9 @@ class GradientPrint:
     gradient off by a factor or by a systematic error fails as it does element by
     element. Compiled steps (compared by norm) use the blocks' differences, whose squares
     sum to ``|x - y|**2`` in expectation, with 20 % slack. The sums are made and read in
-    chunks, a small share of one parameter's gradient at a time.
+    chunks of at most :data:`CHUNK_ELEMENTS` elements or a 64th of the gradient, whichever
+    is larger, and an eighth of it at the least: a few tensor ops per chunk, whose
+    allocations the judge's profiler records one by one when the check is measured.
 
     Examples
     --------
@@ -612,7 +614,7 @@ class GradientPrint:
     def _chunks(self, flat: torch.Tensor) -> Iterator[tuple[torch.Tensor, torch.Tensor]]:
         """``(chunk in float32, its signs)``, a whole number of blocks at a time."""
         n = flat.numel()
-        size = max(WHOLE_ELEMENTS, n // 64) // PRINT_BLOCK * PRINT_BLOCK
+        size = max(WHOLE_ELEMENTS, n // 64, min(n // 8, CHUNK_ELEMENTS)) // PRINT_BLOCK * PRINT_BLOCK
         for k, start in enumerate(range(0, n, size)):
             chunk = flat[start:start + size].float()
             gen = torch.Generator(device=flat.device).manual_seed(self.seed * 1_000_003 + k)
@@ -656,6 +658,9 @@ class GradientPrint:
 WHOLE_ELEMENTS = 256
 #: elements per block summed by :class:`GradientPrint`
 PRINT_BLOCK = 16
+#: :class:`GradientPrint` reads a gradient in at most 64 chunks, at most 8 where its chunks
+#: stay within this many elements (about 16 bytes each of transient memory)
+CHUNK_ELEMENTS = 1 << 16
 
 
 def _blocks(flat: torch.Tensor) -> torch.Tensor:
