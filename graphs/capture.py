@@ -51,7 +51,7 @@ from graphs.torch_internals import (FakeTensorMode, aot_export_joint, custom_fun
                                      tree_flatten, tree_leaves, tree_unflatten)
 
 __all__ = ["capture", "CaptureInfo", "default_loss", "is_random_op", "op_draws", "node_draws", "random_order",
-           "graph_of_joint", "plain_state"]
+           "graph_of_joint", "plain_state", "fake_copies"]
 
 log = logging.getLogger(__name__)
 
@@ -322,11 +322,20 @@ def _is_fake_or_meta(t: Any) -> bool:
     return isinstance(t, torch.Tensor) and (is_fake(t) or t.device.type == "meta")
 
 
-def _to_fake(model: torch.nn.Module, flat_inputs: list, fake_mode: Any) -> tuple[torch.nn.Module, list]:
-    """Fake copies of the model's parameters/buffers and of the inputs (nothing allocated).
+def fake_copies(model: torch.nn.Module, flat_inputs: list, fake_mode: Any) -> tuple[torch.nn.Module, list]:
+    """A copy of ``model`` whose parameters and buffers are fake tensors of ``fake_mode``,
+    and fake copies of the tensors among ``flat_inputs`` (nothing allocated).
 
     Meta tensors become fake CPU tensors: ops on the meta device take other kernels
     (some without autograd), while fake tensors trace the real CPU kernels.
+
+    Examples
+    --------
+    >>> from graphs.torch_internals import FakeTensorMode, is_fake
+    >>> net, x = torch.nn.Linear(2, 3), torch.ones(4, 2)
+    >>> fake_net, (fake_x, n) = fake_copies(net, [x, 7], FakeTensorMode())
+    >>> is_fake(fake_net.weight), is_fake(net.weight), tuple(fake_x.shape), n
+    (True, False, (4, 2), 7)
     """
     import copy
 
@@ -680,7 +689,7 @@ def _trace_forward(model: torch.nn.Module, inputs: _StepInputs, *, inplace: str)
     flat_in, in_spec = tree_flatten((inputs.args, inputs.kwargs))
     if not inputs.real:
         fake_mode = FakeTensorMode(allow_non_fake_inputs=True)
-        work_model, flat_in = _to_fake(model, flat_in, fake_mode)
+        work_model, flat_in = fake_copies(model, flat_in, fake_mode)
     eargs, ekwargs = tree_unflatten(flat_in, in_spec)
 
     functions: list = []

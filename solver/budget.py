@@ -41,11 +41,18 @@ class BelowResident(InfeasibleBudget):
         self.parts = tuple((str(name), int(b)) for name, b in parts)
         self.proven = False
         held = ", ".join(f"{name} {format_bytes(b)}" for name, b in self.parts if b)
+        op = any(name.startswith(OP_PART) for name, _ in self.parts)
         self.args = (
             f"budget {format_bytes(self.budget_bytes)} ({self.budget_bytes} B) is infeasible: every training step "
-            f"holds {format_bytes(floor)} ({floor} B) whatever its schedule, before any activation ({held}; "
-            f"checked before capture). Ask for more than that (budget_gb > {floor / GiB:.6g}): the step's "
-            "activations and temporaries come on top; or pass activation_budget=True to budget those alone.",)
+            f"holds {format_bytes(floor)} ({floor} B) whatever its schedule, "
+            f"{'while that op runs' if op else 'before any activation'} ({held}; checked before capture). Ask for "
+            f"more than that (budget_gb > {floor / GiB:.6g}): the step's "
+            f"{'other ' if op else ''}activations and temporaries come on top; or pass activation_budget=True to "
+            "budget those alone.",)
+
+
+#: how the name of a :class:`BelowResident` part that is one op's footprint begins
+OP_PART = "the largest op of the forward"
 
 
 @dataclass(frozen=True)

@@ -35,7 +35,7 @@ from torch import nn
 
 from graphs.graph_mode import COMPILERS
 from graphs.planned import wrap_planned
-from solver.budget import Budget, real_number
+from solver.budget import OP_PART, Budget, real_number
 from solver.join.checks import PlanningInputs, Session, split_inputs
 from solver.join.data_parallel import data_parallel
 from solver.errors import OptionError
@@ -219,7 +219,8 @@ def _refuse_below_floor(model: nn.Module, budget: Budget, example_inputs: Any, *
     parameters, not the model's: nothing is refused here."""
     if request.dp is not None and request.dp.sharding == "fsdp":
         return
-    refuse_below_resident(model, budget, example_inputs, optimizer_bytes=request.optimizer_bytes)
+    refuse_below_resident(model, budget, example_inputs, optimizer_bytes=request.optimizer_bytes,
+                          eager_ops=request.compiler == "eager")
 
 
 def resident_floor(model: nn.Module, example_inputs: Any = None, *, optimizer_bytes: int = 0) -> tuple[int, str]:
@@ -235,18 +236,40 @@ def resident_floor(model: nn.Module, example_inputs: Any = None, *, optimizer_by
     >>> resident_floor(net, (torch.randn(4, 256),))[0] == 2 * (256 * 256 + 256) * 4 + 4 * 256 * 4
     True
     """
-    parts = _resident_parts(model, example_inputs, optimizer_bytes=optimizer_bytes)
-    parts += _gradient_part(model, example_inputs)
-    names = [name for name, _ in parts]
-    return sum(b for _, b in parts), ", ".join(names[:-1]) + " and " + names[-1] if len(names) > 1 else names[0]
+    parts = _floor_parts(model, example_inputs, optimizer_bytes=optimizer_bytes, eager_ops=False)
+    return sum(b for _, b in parts), _named(parts)
+
+
+def step_floor(model: nn.Module, example_inputs: Any = None, *, optimizer_bytes: int = 0,
+               eager_ops: bool = True) -> tuple[int, str]:
+    """Bytes that every training step of ``model`` holds at some point, whatever its
+    schedule, and what they are: :func:`resident_floor` (held at the step's end), or,
+    where it is more, what holds while the forward's largest op runs: everything but
+    the gradients, and that op's inputs and outputs (with ``eager_ops``: a step that runs
+    the forward's ATen ops as they are, not fused by a compiler). Found with one forward
+    of fake copies of the model on the example inputs, which allocates nothing
+    (:func:`graphs.footprint.forward_footprint`). A budget below it is refused before
+    any capture.
+
+    Examples
+    --------
+    >>> wide = nn.Sequential(nn.Linear(256, 256), nn.ReLU(), nn.Linear(256, 1))
+    >>> x = torch.randn(2048, 256)
+    >>> floor, what = step_floor(wide, (x,))
+    >>> floor > resident_floor(wide, (x,))[0], what.endswith("(aten.relu.default): its inputs and outputs")
+    (True, True)
+    """
+    parts = _floor_parts(model, example_inputs, optimizer_bytes=optimizer_bytes, eager_ops=eager_ops)
+    return sum(b for _, b in parts), _named(parts)
 
 
 def refuse_below_resident(model: nn.Module, budget: int | Budget, example_inputs: Any = None, *,
-                          optimizer_bytes: int = 0) -> None:
+                          optimizer_bytes: int = 0, eager_ops: bool = False) -> None:
     """Raise :class:`solver.budget.BelowResident` (an :class:`solver.InfeasibleBudget`)
-    before any capture when ``budget`` (bytes, or a :class:`Budget`) is below
-    :func:`resident_floor`, naming that figure and its parts (no schedule goes below
-    it). An activation-only budget is never refused here. The forward that finds which
+    before any capture when ``budget`` (bytes, or a :class:`Budget`) is below what every
+    step holds whatever its schedule, naming that figure and its parts:
+    :func:`resident_floor`, or with ``eager_ops`` :func:`step_floor`. An activation-only
+    budget is never refused here. Without ``eager_ops`` the forward that finds which
     parameters get a gradient runs only where that decides the answer.
 
     Examples
@@ -257,6 +280,11 @@ def refuse_below_resident(model: nn.Module, budget: int | Budget, example_inputs
     Traceback (most recent call last):
     ...
     solver.budget.BelowResident: budget 400.0 KiB (409600 B) is infeasible: every training step holds 518.0 KiB ...
+    >>> wide = nn.Sequential(nn.Linear(256, 256), nn.ReLU(), nn.Linear(256, 1))
+    >>> refuse_below_resident(wide, 6 << 20, (torch.randn(2048, 256),), eager_ops=True)  # doctest: +ELLIPSIS
+    Traceback (most recent call last):
+    ...
+    solver.budget.BelowResident: ... the largest op of the forward (aten.relu.default): its inputs and outputs 4.0 MiB; ...
     """
     budget = budget if isinstance(budget, Budget) else Budget(int(budget))
     if budget.activation_only:
@@ -264,8 +292,27 @@ def refuse_below_resident(model: nn.Module, budget: int | Budget, example_inputs
     parts = _resident_parts(model, example_inputs, optimizer_bytes=optimizer_bytes)
     budget.refuse_below(parts)  # nothing has run
     trainable = _nbytes([p for p in model.parameters() if p.requires_grad], set())
-    if budget.available_bytes < sum(b for _, b in parts) + trainable:
-        budget.refuse_below(parts + _gradient_part(model, example_inputs))
+    if (eager_ops and example_inputs is not None) or budget.available_bytes < sum(b for _, b in parts) + trainable:
+        budget.refuse_below(_floor_parts(model, example_inputs, optimizer_bytes=optimizer_bytes, eager_ops=eager_ops,
+                                         resident=parts))
+
+
+def _floor_parts(model: nn.Module, example_inputs: Any, *, optimizer_bytes: int, eager_ops: bool,
+                 resident: list[tuple[str, int]] | None = None) -> list[tuple[str, int]]:
+    """:func:`step_floor`'s parts (``eager_ops``) or :func:`resident_floor`'s."""
+    parts = resident if resident is not None else _resident_parts(model, example_inputs, optimizer_bytes=optimizer_bytes)
+    fp = _footprint(model, example_inputs) if eager_ops and example_inputs is not None else None
+    if fp is None:
+        return parts + _gradient_part(model, example_inputs)
+    grads = _gradient_bytes(model, fp.parameters_read)
+    if fp.largest_op_bytes > grads:
+        return parts + [(f"{OP_PART} ({fp.largest_op}): its inputs and outputs", fp.largest_op_bytes)]
+    return parts + ([(_GRADIENTS, grads)] if grads else [])
+
+
+def _named(parts: list[tuple[str, int]]) -> str:
+    names = [name for name, _ in parts]
+    return ", ".join(names[:-1]) + " and " + names[-1] if len(names) > 1 else names[0]
 
 
 def _resident_parts(model: nn.Module, example_inputs: Any, *, optimizer_bytes: int) -> list[tuple[str, int]]:
@@ -283,6 +330,9 @@ def _resident_parts(model: nn.Module, example_inputs: Any, *, optimizer_bytes: i
     return parts
 
 
+_GRADIENTS = "the gradients of the parameters the forward reads"
+
+
 def _gradient_part(model: nn.Module, example_inputs: Any) -> list[tuple[str, int]]:
     """The gradients of the trainable parameters that one forward on copies of
     ``example_inputs`` reads (:func:`graphs.planned.parameters_read`); none without
@@ -296,10 +346,19 @@ def _gradient_part(model: nn.Module, example_inputs: Any) -> list[tuple[str, int
         read = parameters_read(model, copies.args, copies.kwargs)
     finally:
         copies.release()
-    if not read:
-        return []
-    grads = _nbytes([p for n, p in model.named_parameters() if p.requires_grad and n in read], set())
-    return [("the gradients of the parameters the forward reads", grads)]
+    grads = _gradient_bytes(model, read or ())
+    return [(_GRADIENTS, grads)] if grads else []
+
+
+def _gradient_bytes(model: nn.Module, read: Any) -> int:
+    return _nbytes([p for n, p in model.named_parameters() if p.requires_grad and n in read], set())
+
+
+def _footprint(model: nn.Module, example_inputs: Any) -> Any:
+    from graphs.footprint import forward_footprint
+
+    args, kwargs = split_inputs(example_inputs)
+    return forward_footprint(model, args, kwargs)
 
 
 def _nbytes(tensors: list, seen: set) -> int:

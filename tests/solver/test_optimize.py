@@ -13,7 +13,7 @@ from graphs.capture import capture, default_loss
 from graphs.units import GiB
 from solver import InfeasibleBudget, simulate
 from solver.methods.minpeak import smallest_feasible_peak
-from solver.join.optimize_model import resident_floor
+from solver.join.optimize_model import step_floor
 
 # activation-heavy sizes, so that recomputation matters next to the parameters
 ZOO = {
@@ -184,7 +184,7 @@ def test_auto_plans_with_the_planning_gap_tolerance_or_the_one_given(monkeypatch
 def test_infeasible_budget_names_the_smallest_and_leaves_model_untouched():
     model, inputs = ZOO["mlp"]()
     forward = model.forward
-    floor = resident_floor(model, inputs)[0]  # below it, refused before capture (test_budget)
+    floor = step_floor(model, inputs)[0]  # below it, refused before capture (test_budget)
     with pytest.raises(InfeasibleBudget) as info:
         solver.optimize(model, floor / GiB, inputs, measure_time=False)
     assert "smallest feasible" in str(info.value)
@@ -203,7 +203,7 @@ def test_an_infeasible_budget_names_the_raised_peak_bound(monkeypatch):
     from solver import solving
 
     model, inputs = ZOO["resnet"]()
-    floor = resident_floor(model, inputs)[0]  # below it, refused before capture (test_budget)
+    floor = step_floor(model, inputs)[0]  # below it, refused before capture (test_budget)
     with pytest.raises(InfeasibleBudget) as raised:
         solver.optimize(model, floor / GiB, inputs, measure_time=False)
     monkeypatch.setattr(solving, "_sharpened", lambda graph, exc, left: exc)

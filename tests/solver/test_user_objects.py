@@ -15,7 +15,7 @@ from torch import nn
 import solver
 from graphs.units import GiB
 from solver.errors import OptionError
-from solver.join.optimize_model import resident_floor
+from solver.join.optimize_model import step_floor
 
 
 class Scaling(nn.Module):
@@ -55,7 +55,7 @@ def _budget(model, x, tight):
 def _infeasible(model, x):
     """A budget in GiB that planning finds infeasible after capturing the step: that of
     what every step holds whatever its schedule (below it, refused before capture)."""
-    return resident_floor(model, (x.detach().clone(),))[0] / GiB
+    return step_floor(model, (x.detach().clone(),))[0] / GiB
 
 
 def _state(x):
