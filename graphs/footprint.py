@@ -77,7 +77,9 @@ def forward_footprint(model: nn.Module, args: tuple, kwargs: dict) -> ForwardFoo
     """One training forward of ``model`` on ``(args, kwargs)`` run on fake copies (no
     memory allocated, no random number drawn, the model's buffers and hooks untouched):
     the parameters it reads and its largest op's footprint. None where the forward
-    cannot run on fake tensors (an op that reads values, say).
+    cannot run on fake tensors (an op that reads values, say) or where a module holds a
+    tensor as a plain attribute (neither parameter nor buffer: copying the model would
+    allocate it).
 
     Examples
     --------
@@ -90,6 +92,8 @@ def forward_footprint(model: nn.Module, args: tuple, kwargs: dict) -> ForwardFoo
     """
     from graphs.capture import fake_copies
 
+    if any(isinstance(v, torch.Tensor) for m in model.modules() for v in vars(m).values()):
+        return None  # a tensor held as a plain attribute: the copy would allocate it again
     fake_mode = FakeTensorMode(allow_non_fake_inputs=False)
     flat, spec = tree_flatten((args, kwargs))
     try:

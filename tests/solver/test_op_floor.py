@@ -94,3 +94,17 @@ def test_no_real_step_measures_below_the_op_floor(make):
         fast = solver.optimize(model, refused.smallest_feasible_bytes / GiB, inputs, measure_time=False,
                                watch="off")
     assert _step_peak(fast, inputs) >= floor
+
+
+def test_a_model_holding_a_plain_tensor_attribute_is_not_copied_for_the_floor():
+    """Copying such a model for its fake forward would allocate the tensor again: no op
+    floor then, and the refusal falls back to what every step holds at its end."""
+    from graphs.footprint import forward_footprint
+
+    model, x = Wide(), torch.randn(4096, 16)
+    model.scale = torch.ones(64)  # neither parameter nor buffer
+    assert forward_footprint(model, (x,), {}) is None
+    floor, what = step_floor(model, (x,))
+    assert floor == resident_floor(model, (x,))[0] and OP_PART not in what
+    del model.scale
+    assert forward_footprint(model, (x,), {}) is not None
