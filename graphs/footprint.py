@@ -74,8 +74,9 @@ class _Footprints(TorchDispatchMode):
 
 
 def forward_footprint(model: nn.Module, args: tuple, kwargs: dict) -> ForwardFootprint | None:
-    """One training forward of ``model`` on ``(args, kwargs)`` run on fake copies (no
-    memory allocated, no random number drawn, the model's buffers and hooks untouched):
+    """One training forward of ``model`` on ``(args, kwargs)`` run on fake copies in
+    training mode (no memory allocated, no random number drawn, the model's modes,
+    buffers and hooks untouched):
     the parameters it reads and its largest op's footprint. None where the forward
     cannot run on fake tensors (an op that reads values, say) or where a module holds a
     tensor as a plain attribute (neither parameter nor buffer: copying the model would
@@ -100,6 +101,7 @@ def forward_footprint(model: nn.Module, args: tuple, kwargs: dict) -> ForwardFoo
         fake_model, fake_flat = fake_copies(model, flat, fake_mode)
     except Exception:
         return None
+    fake_model.train()  # a training step's forward, whatever mode the model is in now (the copy's flag)
     params = {id(p): name for name, p in fake_model.named_parameters()}
     resident = {storage_key(t.untyped_storage())
                 for t in list(fake_model.parameters()) + list(fake_model.buffers()) + fake_flat

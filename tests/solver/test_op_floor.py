@@ -108,3 +108,18 @@ def test_a_model_holding_a_plain_tensor_attribute_is_not_copied_for_the_floor():
     assert floor == resident_floor(model, (x,))[0] and OP_PART not in what
     del model.scale
     assert forward_footprint(model, (x,), {}) is not None
+
+
+def test_the_floor_is_that_of_a_training_forward_and_leaves_the_model_as_found():
+    from graphs.footprint import forward_footprint
+
+    model = nn.Sequential(nn.Linear(16, 64), nn.Dropout(0.5), nn.Linear(64, 1))
+    x = torch.randn(512, 16)
+    model.eval()
+    state = torch.get_rng_state()
+    fp = forward_footprint(model, (x,), {})
+    assert not model.training and not any(m.training for m in model.modules())
+    assert torch.equal(state, torch.get_rng_state())  # no number drawn
+    model.train()
+    assert fp == forward_footprint(model, (x,), {})  # the dropout's ops counted in eval() too
+    assert fp.largest_op_bytes >= 2 * 512 * 64 * 4
