@@ -793,8 +793,11 @@ def plan_module(model: nn.Module, *, cap: Captured, request: Request, session: S
     else:
         # no check_budget here: the graph's smallest peak is not a layer plan's, and
         # plan_modules names the smallest layer plan when none fits
+        # selective checkpointing only where a block's run under it was measured: its
+        # memory and its dispatch's time are not priced exactly from the graph alone
         mp = plan_modules(cap.graph, budget - margin, blocks=names, time_limit=request.time_limit,
-                          measured=cap.block_seconds, actions=actions or DEFAULT_ACTIONS)
+                          measured=cap.block_seconds,
+                          actions=actions or (DEFAULT_ACTIONS if cap.block_seconds else EXACT_ACTIONS))
         sched = mp.schedule
         cg = mp.graph  # random ops inside the blocks are recomputed there (RNG state restored)
         predicted = simulate(cg, sched).peak_bytes
