@@ -292,18 +292,26 @@ def refuse_below_resident(model: nn.Module, budget: int | Budget, example_inputs
     parts = _resident_parts(model, example_inputs, optimizer_bytes=optimizer_bytes)
     budget.refuse_below(parts)  # nothing has run
     trainable = _nbytes([p for p in model.parameters() if p.requires_grad], set())
-    if (eager_ops and example_inputs is not None) or budget.available_bytes < sum(b for _, b in parts) + trainable:
-        budget.refuse_below(_floor_parts(model, example_inputs, optimizer_bytes=optimizer_bytes, eager_ops=eager_ops,
-                                         resident=parts))
+    fp = _footprint(model, example_inputs) if eager_ops and example_inputs is not None else None
+    if fp is not None:
+        budget.refuse_below(_with_footprint(model, parts, fp))
+    elif budget.available_bytes < sum(b for _, b in parts) + trainable:  # (only then the forward runs)
+        budget.refuse_below(parts + _gradient_part(model, example_inputs))
 
 
-def _floor_parts(model: nn.Module, example_inputs: Any, *, optimizer_bytes: int, eager_ops: bool,
-                 resident: list[tuple[str, int]] | None = None) -> list[tuple[str, int]]:
+def _floor_parts(model: nn.Module, example_inputs: Any, *, optimizer_bytes: int,
+                 eager_ops: bool) -> list[tuple[str, int]]:
     """:func:`step_floor`'s parts (``eager_ops``) or :func:`resident_floor`'s."""
-    parts = resident if resident is not None else _resident_parts(model, example_inputs, optimizer_bytes=optimizer_bytes)
+    parts = _resident_parts(model, example_inputs, optimizer_bytes=optimizer_bytes)
     fp = _footprint(model, example_inputs) if eager_ops and example_inputs is not None else None
     if fp is None:
         return parts + _gradient_part(model, example_inputs)
+    return _with_footprint(model, parts, fp)
+
+
+def _with_footprint(model: nn.Module, parts: list[tuple[str, int]], fp: Any) -> list[tuple[str, int]]:
+    """``parts`` and the larger of the gradients of the parameters the forward reads and
+    its largest op's inputs and outputs (:class:`graphs.footprint.ForwardFootprint`)."""
     grads = _gradient_bytes(model, fp.parameters_read)
     if fp.largest_op_bytes > grads:
         return parts + [(f"{OP_PART} ({fp.largest_op}): its inputs and outputs", fp.largest_op_bytes)]

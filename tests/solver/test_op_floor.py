@@ -47,6 +47,7 @@ def test_a_budget_below_the_largest_op_is_refused_before_capture(monkeypatch):
     torch.manual_seed(0)
     model, x = Wide(), torch.randn(4096, 16)
     before = {k: v.clone() for k, v in model.state_dict().items()}
+    x_before, version = x.clone(), x._version
     floor, what = step_floor(model, (x,))
     assert floor > resident_floor(model, (x,))[0]
     with pytest.raises(BelowResident) as caught:
@@ -57,6 +58,7 @@ def test_a_budget_below_the_largest_op_is_refused_before_capture(monkeypatch):
     assert op_bytes == 2 * 4096 * 64 * 4  # the ReLU's input and output
     assert all(torch.equal(v, model.state_dict()[k]) for k, v in before.items())
     assert all(p.grad is None for p in model.parameters())
+    assert torch.equal(x, x_before) and x._version == version and model.training
     # a fusing compiler may never materialize the op's output: not refused on it
     refuse_below_resident(model, floor - 1024, (x,), eager_ops=False)
     # at the floor the capture runs
@@ -123,3 +125,40 @@ def test_the_floor_is_that_of_a_training_forward_and_leaves_the_model_as_found()
     model.train()
     assert fp == forward_footprint(model, (x,), {})  # the dropout's ops counted in eval() too
     assert fp.largest_op_bytes >= 2 * 512 * 64 * 4
+
+
+def test_without_a_fake_forward_the_real_one_runs_only_where_it_decides_the_refusal():
+    class Counting(Wide):
+        calls = 0
+
+        def forward(self, x):
+            type(self).calls += 1
+            return super().forward(x)
+
+    model, x = Counting(), torch.randn(64, 16)
+    model.scale = torch.ones(4)  # no fake forward for this model
+    refuse_below_resident(model, 1 << 30, (x,), eager_ops=True)
+    assert Counting.calls == 0
+    with pytest.raises(BelowResident):
+        refuse_below_resident(model, resident_floor(model, (x,))[0] - 1, (x,), eager_ops=True)
+    assert Counting.calls >= 1
+
+
+@pytest.mark.parametrize("make", [lambda: (Wide(), (torch.randn(4096, 16),)), _hf_gpt2], ids=["wide", "hf_gpt2"])
+def test_the_fake_forward_allocates_nothing_but_a_generator_state(make):
+    """By the allocator: the floor's forward holds no activation of the model (its random
+    generator is put back from a saved state, one CPU generator state of 5056 bytes, and
+    a few bytes of bookkeeping: 5080 measured)."""
+    from graphs.footprint import forward_footprint
+
+    model, inputs = make()
+    args, kwargs = ((), inputs) if isinstance(inputs, dict) else (inputs, {})
+    before = measure_peak(lambda: None, roots=[model, inputs]).peak_bytes
+    fp = None
+
+    def run():
+        nonlocal fp
+        fp = forward_footprint(model, args, kwargs)
+
+    peak = measure_peak(run, roots=[model, inputs]).peak_bytes
+    assert fp is not None and peak - before <= 8192 < fp.largest_op_bytes
