@@ -28,7 +28,7 @@ from solver.plans import recompute_missing, sequence_from_keep
 from solver.schedule import Schedule
 from solver.simulate import SimulationResult, simulate
 
-__all__ = ["ModulePlan", "BlockIndex", "checkpoint_view", "hold_node_inputs", "plan_modules", "greedy_block_plan", "plan_schedule", "block_nodes", "keep_for_plan", "checkpoint_sequence",
+__all__ = ["ModulePlan", "BlockIndex", "checkpoint_view", "hold_bound_values", "hold_node_inputs", "plan_modules", "greedy_block_plan", "plan_schedule", "block_nodes", "keep_for_plan", "checkpoint_sequence",
            "MATMUL_OPS", "ACTIONS"]
 
 log = logging.getLogger(__name__)
@@ -477,6 +477,46 @@ def hold_node_inputs(graph: ComputeGraph) -> int:
     for u, v in dict.fromkeys(edges):
         graph.add_edge(u, v)
     return len(dict.fromkeys(edges))
+
+
+def hold_bound_values(graph: ComputeGraph, blocks: Sequence[str]) -> int:
+    """Python's lifetimes in a module's forward, on a captured step whose forward eager
+    code runs (module mode). A value that a name of a module's ``forward`` holds (node
+    attribute ``held_by``: the module's path, :func:`graphs.frames.bound_until_return`)
+    lives until that forward returns, and while a checkpointed block reruns its forward,
+    until the rerun stops: every later forward op of the module's call reads it (an
+    edge), so that it is live at whichever of them runs last. Only modules inside a
+    layer block of ``blocks`` take part: a block's rerun is its own forward again, while
+    a value held by a module around the blocks is not held into the backward.
+
+    Returns
+    -------
+    int
+        Edges added.
+
+    Examples
+    --------
+    >>> g = ComputeGraph()
+    >>> for v in ("a", "b", "c", "d"): g.add_node(v, bytes=4, phase="forward", module="blk.0")
+    >>> g.add_edge("a", "b"); g.add_edge("b", "c"); g.add_edge("c", "d")
+    >>> g["a"]["held_by"] = "blk.0"
+    >>> hold_bound_values(g, ["blk.0"]), sorted(g.nx.successors("a"))
+    (2, ['b', 'c', 'd'])
+    """
+    order = [v for v in graph.order if v in graph.ops_set and graph[v]["phase"] == "forward"]
+    at = {v: i for i, v in enumerate(order)}
+    added = 0
+    for u in order:
+        module = graph[u].get("held_by")
+        if module is None or not any(_inside(module, b) for b in blocks):
+            continue
+        for v in order[at[u] + 1:]:
+            if not _inside(graph[v].get("module") or "", module):
+                break  # the module's call has returned
+            if not graph.nx.has_edge(u, v):
+                graph.add_edge(u, v)
+                added += 1
+    return added
 
 
 def editable_copy(graph: ComputeGraph) -> ComputeGraph:

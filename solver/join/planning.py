@@ -19,6 +19,7 @@ from torch import nn
 
 from graphs import CaptureError, ComputeGraph, RematError
 from graphs.capture import capture
+from graphs.frames import bound_until_return
 from graphs.compute_graph import BACKWARD_START, repeated_note
 from graphs.fixed import charge, fixed_charges
 from graphs.loss import charge_loss
@@ -32,7 +33,7 @@ from graphs.units import format_bytes
 from solver.join.checks import PlanningInputs, Session, fit_measured, inputs_key, measured_peak, self_check
 from solver.errors import InfeasibleBudget, SolverError
 from solver.join.fixed import SEED_RESERVE, untracked_bytes
-from solver.module_plan import hold_node_inputs, plan_modules
+from solver.module_plan import hold_bound_values, hold_node_inputs, plan_modules
 from solver.solving import checked_budget, reached_floor, solve
 from solver.report import Report
 from solver.schedule import Schedule
@@ -232,6 +233,10 @@ def capture_step(model: nn.Module, args: tuple, kwargs: dict, *, request: Reques
         request.dp.charge(cg)
     if request.mode == "module":
         hold_node_inputs(cg)  # eager autograd frees a node's inputs once all its gradients are computed
+        # a name in a block's forward holds its value until the forward returns (or its rerun stops)
+        for v, module in bound_until_return(cg, model).items():
+            cg[v]["held_by"] = module
+        hold_bound_values(cg, blocks)
         if request.loss_fn is None:
             backward_from_loss(cg)  # eager autograd; AOTAutograd's runtime materializes zero tangents
     capture_s = time.perf_counter() - t0

@@ -113,14 +113,7 @@ def _cases():
 #: cases known to be planned a second time or predicted more than 1 % off the allocator's
 #: peak, and why (each is checked to miss still: one that no longer misses fails until it
 #: leaves the list)
-MISSES = {
-    # the allocator's peak is in a block's recomputation during backward (torch reruns the
-    # block's ops until its last saved tensor, the MLP dropout's product and its float
-    # buffer of draws included, 32 KiB each here); the simulation puts the peak later, in
-    # the last block's backward, 1.1 % (2.7 % with CUDA's dispatch) lower. Running every
-    # dropped op before the last one recomputed in the simulation did not move its peak.
-    ("gpt_cross_entropy", "module"): "module mode does not reproduce the peak of torch's recomputation of a block",
-}
+MISSES: dict[tuple[str, str], str] = {}
 
 
 @pytest.mark.slow
