@@ -376,6 +376,11 @@ peak and at 0.7 of the plain step; the step's allocator peak against the budget,
 prediction's error, and process CPU time against per-block checkpointing's (interleaved).
 
 {{per_block_speed}}
+Where module mode's plan checkpoints every block (the GPT at 1.02x and 1.10x) its step
+is per-block checkpointing's own, so the time ratio there is this machine's noise: the
+GPT with CUDA's dispatch emulated, measured again alone with `--repeats 15`, gave 0.997x
+and 1.003x where the whole run gave 1.00x and 1.07x.
+
 ## Capture
 
 `python benchmarks/capture.py` (one thread, a fresh process per case, weights never
