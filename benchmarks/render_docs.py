@@ -405,7 +405,12 @@ cycle through 96, 64, 128, 80, 112, planned lazily on its first call at half of 
 step's peak at the longest length; every case in a fresh process, one thread (goal: at
 most 1.3x the plain model's time, planning included; not met).
 
-{{training_loops}}"""
+{{training_loops}}
+The same code's runs on this machine vary by about 10 %: three runs of this script (the
+first before module mode counted Python's names) gave graph mode 5.01x, 5.28x (beside
+another process) and 5.57x, module mode 2.86x, 3.43x (beside another process) and 3.16x;
+the table is the last.
+"""
 
 #: What each ``{{name}}`` of :data:`PAGE` renders to.
 TABLES = {
