@@ -279,7 +279,8 @@ def fit_measured(model: nn.Module, *, make: Callable[[int], Any], run: Callable[
             try:
                 out, margin = make(held_back), held_back
             except InfeasibleBudget as exc:
-                raise _measured_smallest(model, exc, budget=budget, session=session, **step) from exc
+                raise (_measured_smallest(model, exc, budget=budget, session=session, **step) or exc) from exc
+    seen: list[tuple[int, int]] = []  # (the allocator's peak of a plan's step, the margin it was planned with)
     for attempt in range(tries):
         report = session.report
         extra = untracked_bytes(report.graph)
@@ -290,6 +291,7 @@ def fit_measured(model: nn.Module, *, make: Callable[[int], Any], run: Callable[
                 return out
             peak = report.checked_peak_bytes = measured + extra
             session.saw(peak)
+        seen.append((peak, margin))
         if peak <= budget:
             if margin > reserve:
                 report.notes.append(f"planned for {format_bytes(budget - margin)}: a step of the plan for the whole "
@@ -305,9 +307,18 @@ def fit_measured(model: nn.Module, *, make: Callable[[int], Any], run: Callable[
                                            session=session, loss_fn=loss_fn)
             if smallest is not None:
                 return smallest
-            raise InfeasibleBudget(budget, exc.smallest_feasible_bytes + margin,
-                                   lower_bound_bytes=exc.lower_bound_bytes + margin, what="measured peak",
-                                   **_why(exc)) from exc
+            # the figure named is one a step measured: the margin a plan's step measured
+            # beyond its prediction need not be another plan's (an eager kernel the
+            # capture decomposes holds more), so the smallest plan is measured itself;
+            # only where no step can be measured, the smallest peak plus the margin
+            named = _measured_smallest(model, exc, budget=budget, session=session, **step)
+            if seen and (named is None or min(seen)[0] < named.smallest_feasible_bytes):
+                # no smaller plan can be made, or none measured less: the least a plan of this call measured
+                named = _seen_smallest(model, exc, seen, budget=budget, session=session, args=args, kwargs=kwargs,
+                                       floors=floors)
+            raise (named or InfeasibleBudget(budget, exc.smallest_feasible_bytes + margin,
+                                             lower_bound_bytes=exc.lower_bound_bytes + margin,
+                                             what="measured peak", **_why(exc))) from exc
     raise SolverError(f"a step of the plan measured {format_bytes(peak)} over the budget {format_bytes(budget)} "
                       f"after {tries} plans with a margin for what the step allocates beyond the captured graph; "
                       "ask for a larger budget")
@@ -432,9 +443,9 @@ def _named_plan(model: nn.Module, *, budget: int, session: Session, make: Callab
 def _measured_smallest(model: nn.Module, exc: InfeasibleBudget, *, budget: int, session: Session,
                        make: Callable[[int], Any], run: Callable[[Any], Callable[[], Any]], args: tuple,
                        kwargs: dict, loss_fn: Callable[[Any], Any] | None,
-                       floors: Callable[..., Any] | None = None) -> InfeasibleBudget:
-    """The error to raise for a budget below the smallest plan, naming a figure that a
-    call for it meets: the least peak measured of the plan for the smallest peak
+                       floors: Callable[..., Any] | None = None) -> InfeasibleBudget | None:
+    """The error to raise for a budget below the smallest plan (None where no plan's
+    step could be measured), naming a figure that a call for it meets: the least peak measured of the plan for the smallest peak
     ``exc`` names (graph mode; never below that peak) or, with ``floors`` (module
     mode), of the plans among :data:`FLOOR_ACTIONS` (the least peak of their mixes, no
     block checkpointed, every block checkpointed), and at least the peak of planning's
@@ -469,7 +480,7 @@ def _measured_smallest(model: nn.Module, exc: InfeasibleBudget, *, budget: int, 
         if peak is not None:
             measured.append((peak, recipe))
     if not measured:
-        return exc
+        return None
     least, recipe = min(measured, key=lambda m: m[0])
     named = max(least, session.planning_peak or 0)  # (the plan measured within it)
     if recipe[0] == "smallest":  # nor below the peak the search found: its plan is predicted within the figure
@@ -477,6 +488,20 @@ def _measured_smallest(model: nn.Module, exc: InfeasibleBudget, *, budget: int, 
     _NAMED.setdefault(model, {})[_named_key(args, kwargs, named, floors)] = recipe
     if named == exc.smallest_feasible_bytes:
         return exc
+    return InfeasibleBudget(budget, named, lower_bound_bytes=min(exc.lower_bound_bytes, named), what="measured peak",
+                            **_why(exc))
+
+
+def _seen_smallest(model: nn.Module, exc: InfeasibleBudget, seen: list[tuple[int, int]], *, budget: int,
+                   session: Session, args: tuple, kwargs: dict,
+                   floors: Callable[..., Any] | None) -> InfeasibleBudget:
+    """The error naming the least peak a step of one of this call's plans measured
+    (``seen``: (peak, margin) pairs), where no plan below them can be made (a rewrite
+    that fails its self-check, an eager kernel far above the capture's figures). A call
+    for that figure is met by the plan that measured it (:data:`_NAMED`)."""
+    least, margin = min(seen)
+    named = max(least, session.planning_peak or 0)
+    _NAMED.setdefault(model, {})[_named_key(args, kwargs, named, floors)] = ("smallest", budget - margin, None)
     return InfeasibleBudget(budget, named, lower_bound_bytes=min(exc.lower_bound_bytes, named), what="measured peak",
                             **_why(exc))
 

@@ -153,9 +153,11 @@ def _plan_step(model: nn.Module, args: tuple, kwargs: dict, *, request: Request,
             cap.measured_with == () and session.report.schedule is not None) else None
         cap = measure_blocks(model, args, kwargs, cap=cap, request=request, carried=carried)
     if request.mode == "graph":
+        switched: dict = {}  # once graph mode cannot serve this step, its plans for other margins are module mode's
+
         def make(margin: int) -> Any:
             return plan_graph_checked(model, args, kwargs, cap=cap, request=request, session=session, margin=margin,
-                                      hooked=hooked)
+                                      hooked=hooked, switched=switched)
     else:
         planned: list[int] = []  # the margins plans were made for
 
@@ -559,27 +561,38 @@ def backward_from_loss(cg: ComputeGraph) -> None:
 # ---------------------------------------------------------------- graph mode
 
 def plan_graph_checked(model: nn.Module, args: tuple, kwargs: dict, *, cap: Captured, request: Request,
-                       session: Session, margin: int, hooked: list[str] = ()) -> Any:
+                       session: Session, margin: int, hooked: list[str] = (), switched: dict | None = None) -> Any:
     """Graph mode's plan, its rewrite checked against the original's gradients.
 
     Where graph mode cannot serve the model (a submodule carries hooks, which a captured
     graph would not run; no schedule passes the self-check), the plan is module mode's,
     with a note, unless ``request.mode_pinned``: then a :class:`SolverError` (hooks:
     :class:`graphs.planned.HookNotRun`) says what failed and suggests ``mode='module'``.
+    ``switched``: kept across the plans of one capture (other margins), so that once
+    graph mode has failed, the later plans are module mode's at once, on its capture: a
+    refusal then names what module mode reaches, never a graph-mode figure that no
+    checked rewrite runs.
     """
     from dataclasses import replace
 
     from graphs.planned import HookNotRun
 
+    switched = {} if switched is None else switched
+
     def in_module_mode(why: str) -> Any:
         module_request = replace(request, mode="module")
-        module_cap = measure_within(capture_step(model, args, kwargs, request=module_request),  # in-place: aliases
-                                    request=module_request, held_back=margin)
-        session.saw(module_cap.planning_peak)
-        module_cap = measure_blocks(model, args, kwargs, cap=module_cap, request=module_request)
-        step = plan_module(model, cap=module_cap, request=module_request, session=session, margin=margin)
+        if "cap" not in switched:
+            module_cap = measure_within(capture_step(model, args, kwargs, request=module_request),  # in-place: aliases
+                                        request=module_request, held_back=margin)
+            session.saw(module_cap.planning_peak)
+            switched["cap"] = measure_blocks(model, args, kwargs, cap=module_cap, request=module_request)
+        switched["why"] = why
+        step = plan_module(model, cap=switched["cap"], request=module_request, session=session, margin=margin)
         session.report.notes.append(f"planned in module mode: {why} (mode='graph' raises instead)")
         return step
+
+    if "why" in switched:
+        return in_module_mode(switched["why"])
 
     if hooked:
         why = f"graph mode's captured step does not call submodules, so their hooks would not fire ({', '.join(hooked)})"
