@@ -37,6 +37,7 @@ from __future__ import annotations
 import contextvars
 import copy
 import functools
+import inspect
 import logging
 import math
 import warnings
@@ -481,12 +482,43 @@ class _PlanCache:
         self.same_as: dict[tuple, tuple | None] = {}  # a new signature -> the planned one it runs, or None
         self.sized: set[tuple] = set()  # signatures whose steps run another signature's plan (resizer)
         self.compiled_call = False  # the running call came through a torch.compile'd frame
+        self.cache_keyword: tuple[bool, int] | None = None  # the forward takes use_cache, and at which position
+        self.cache_warned = False  # use_cache was turned off for training (warned once)
+        self.cache_note: str | None = None
+
+    def without_cache(self, args: tuple, kwargs: dict) -> dict:
+        """A training call's keywords with ``use_cache=False`` where the forward takes a
+        ``use_cache`` keyword that the call (or the model's ``config``) leaves on, as
+        Hugging Face's own gradient checkpointing does: a key-value cache is of no use to
+        a training step, and the cache objects a model returns are not tensors a captured
+        step can return. Warned once per module; the report notes it."""
+        if self.cache_keyword is None:
+            params = inspect.signature(self.original_forward).parameters
+            names = list(params)
+            self.cache_keyword = ("use_cache" in params and params["use_cache"].kind != inspect.Parameter.POSITIONAL_ONLY,
+                                  names.index("use_cache") if "use_cache" in params else -1)
+        takes, position = self.cache_keyword
+        if not takes or 0 <= position - 1 < len(args):  # (position counts self) given positionally: as given
+            return kwargs
+        given = kwargs.get("use_cache")
+        on = given if given is not None else getattr(getattr(self.model, "config", None), "use_cache", False)
+        if not on:
+            return kwargs
+        if not self.cache_warned:
+            self.cache_warned = True
+            why = ("use_cache=True is of no use in a training step, and the cache a model returns cannot be part "
+                   "of a planned step: training calls run with use_cache=False (as Hugging Face's gradient "
+                   "checkpointing does); eval() and no_grad() calls run as given")
+            warnings.warn(f"{type(self.model).__name__}: {why}", stacklevel=5)
+            self.cache_note = why
+        return {**kwargs, "use_cache": False}
 
     @torch.compiler.disable
     def plan_now(self, args: tuple, kwargs: dict) -> Any:
         """Plan the call, keep its step (dropping the least recently used plan past
         :data:`PLAN_CACHE_SIZE`) and return it."""
         steps, model, wrapper = self.steps, self.model, self.wrapper
+        kwargs = self.without_cache(args, kwargs)
         key = input_signature(args, kwargs)
         again = "it was planned before" if key in steps else (
             f"its plan was dropped (a module keeps the {PLAN_CACHE_SIZE} most recently used plans)"
@@ -511,6 +543,8 @@ class _PlanCache:
         report = wrapper.__dict__.get("report")
         if again is not None and report is not None:
             report.notes.append(f"this plan was made again for an input signature: {again}")
+        if self.cache_note is not None and report is not None and self.cache_note not in report.notes:
+            report.notes.append(self.cache_note)
         self.checked = -1
         return step
 
@@ -587,6 +621,7 @@ class _PlanCache:
     def planned_forward(self, args: tuple, kwargs: dict) -> Any:
         """Run the training call's step, planning it first where no step serves."""
         steps = self.steps
+        kwargs = self.without_cache(args, kwargs)
         key = input_signature(args, kwargs)
         if key not in steps and steps:
             args, kwargs, key = self.as_planned_call(args, kwargs, key)
