@@ -445,7 +445,12 @@ def test_on_a_large_graph_the_fixed_order_bound_runs_beside_the_search(monkeypat
     s_main, s0, s1 = seen["search"]
     assert not in_main and s_main
     assert b0 < s1 and s0 < b1  # side by side
-    assert s.info["bound_scope"] == "fixed order" and s.lower_bound == pytest.approx(min(lb, r.cost))
+    # the schedule's bound is at least what the thread proved (clamped to the cost), and
+    # never above the cost; a stronger bound proved elsewhere (the winning candidate's
+    # own, when its solver had the time) is kept: one run recorded 243.99996 where the
+    # thread's bound clamped to the cost was 243.591
+    assert s.info["bound_scope"] == "fixed order"
+    assert min(lb, r.cost) - 1e-6 * r.cost <= s.lower_bound <= r.cost * (1 + 1e-9)
 
 
 def test_the_fixed_order_bound_starts_where_the_best_schedule_and_stage_milp_find_the_budget_binding(monkeypatch):
