@@ -17,14 +17,16 @@ import torch
 from torch import nn
 
 from graphs import RematError
+from graphs.autocast import autocast_state
 from graphs.capture import default_loss
+from graphs.torch_internals import tree_leaves
 from graphs.memory import AllocatorPeak, generators_kept, judge_available, resident_bytes, storage_address
 from graphs.units import format_bytes
 from solver.errors import InfeasibleBudget, SolverError
 from solver.join.fixed import untracked_bytes
 from solver.report import Report
 
-__all__ = ["Session", "PlanningInputs", "Reproduction", "buffers_kept", "forwards_kept", "GradientPrint", "fit_measured", "measured_peak", "reproduces", "self_check", "step_undone"]
+__all__ = ["Session", "PlanningInputs", "Reproduction", "buffers_kept", "forwards_kept", "GradientPrint", "Tolerance", "EAGER", "HALF", "COMPILED", "check_tolerance", "fit_measured", "measured_peak", "reproduces", "self_check", "step_undone"]
 
 
 @dataclass
@@ -555,14 +557,14 @@ def reproduces(model: nn.Module, step: Callable, args: tuple, kwargs: dict, *,
         return Reproduction(True)  # nothing real to run
     loss_fn = loss_fn or default_loss
     judged = judge_available(model, (args, kwargs))
-    compiled = getattr(step, "compiler", "eager") != "eager"
+    tolerance = check_tolerance(model, args, kwargs, compiled=getattr(step, "compiler", "eager") != "eager")
     params = [p for p in model.parameters() if p.requires_grad]
     prints: dict[int, GradientPrint | None] = {}
     differ: list[int] = []
 
     def compare(i: int, p: torch.Tensor) -> None:
         found = prints.pop(i, None)
-        if found is None or not found.matches(p.grad, compiled=compiled):
+        if found is None or not found.matches(p.grad, tolerance=tolerance):
             differ.append(i)
         p.grad = None  # compared: the reference holds no gradient
 
@@ -594,7 +596,7 @@ def reproduces(model: nn.Module, step: Callable, args: tuple, kwargs: dict, *,
             for h in hooks:
                 h.remove()
         # left in ``prints``: gradients of the step that the reference does not give
-        same = not differ and not prints and _close(la, lb, compiled)
+        same = not differ and not prints and _close(la, lb, tolerance)
     forward_peak = None
     if same and reference is not None:
         with step_undone(model, inputs=inputs) as held, torch.no_grad():
@@ -602,7 +604,7 @@ def reproduces(model: nn.Module, step: Callable, args: tuple, kwargs: dict, *,
             with AllocatorPeak(model, (args, kwargs), held, la) if judged else contextlib.nullcontext() as judge:
                 loss = loss_fn(type(model).forward(model, *args, **kwargs)).detach()
             forward_peak = None if judge is None else int(judge.peak_bytes)
-            same = _close(la, loss, compiled)
+            same = _close(la, loss, tolerance)
     return Reproduction(same, peak, reference_peak, forward_peak)
 
 
@@ -616,7 +618,7 @@ class GradientPrint:
     every block's sum differs from ``x``'s by at most the block's sum of the elements'
     tolerances ``atol + rtol |y|``: never a mismatch where the elements match, and a
     gradient off by a factor or by a systematic error fails as it does element by
-    element. Compiled steps (compared by norm) use the blocks' differences, whose squares
+    element. Steps compared by norm (compiled ones) use the blocks' differences, whose squares
     sum to ``|x - y|**2`` in expectation, with 20 % slack. The sums are made and read in
     chunks of at most :data:`CHUNK_ELEMENTS` elements or a 64th of the gradient, whichever
     is larger, and an eighth of it at the least: a few tensor ops per chunk, whose
@@ -626,7 +628,7 @@ class GradientPrint:
     --------
     >>> g = torch.randn(10000)
     >>> print_ = GradientPrint(g, seed=0)
-    >>> print_.matches(g * (1 + 1e-5), compiled=False), print_.matches(g / 10, compiled=False)
+    >>> print_.matches(g * (1 + 1e-5), tolerance=EAGER), print_.matches(g / 10, tolerance=EAGER)
     (True, False)
     """
 
@@ -651,21 +653,21 @@ class GradientPrint:
             signed = torch.where(signs.bool(), chunk, -chunk)
             yield _blocks(signed).sum(1)
 
-    def matches(self, grad: torch.Tensor | None, *, compiled: bool) -> bool:
-        """Whether ``grad`` equals the gradient printed, to the self-check's tolerance."""
+    def matches(self, grad: torch.Tensor | None, *, tolerance: Tolerance) -> bool:
+        """Whether ``grad`` equals the gradient printed, to ``tolerance``."""
         if grad is None or tuple(grad.shape) != self.shape:
             return False
         flat = grad.detach().reshape(-1)
         if self.whole is not None:
-            return _close(self.whole, flat, compiled)
-        if not compiled:
+            return _close(self.whole, flat, tolerance)
+        if not tolerance.by_norm:
             at = 0
             for chunk, signs in self._chunks(flat):
                 theirs = _blocks(torch.where(signs.bool(), chunk, -chunk)).sum(1)
                 mine = self.sums[at:at + theirs.numel()]
                 at += theirs.numel()
                 # the elements' tolerances summed over each block, and float32 rounding of the sums
-                tol = _blocks(1e-5 + 1e-3 * chunk.abs()).sum(1) * (1 + 1e-4)
+                tol = _blocks(tolerance.atol + tolerance.rtol * chunk.abs()).sum(1) * (1 + 1e-4)
                 if not bool(((mine - theirs).abs() <= tol).all()) and not bool(torch.isnan(mine).any()):
                     return False
             return True
@@ -676,7 +678,7 @@ class GradientPrint:
             diff += float(((self.sums[at:at + theirs.numel()] - theirs).double() ** 2).sum())
             norm += float((chunk.double() ** 2).sum())
             at += theirs.numel()
-        return diff ** 0.5 <= 1.2 * (1e-2 * norm ** 0.5) + 1e-6
+        return diff ** 0.5 <= 1.2 * (tolerance.rtol * norm ** 0.5) + tolerance.atol
 
 
 #: a gradient of at most this many elements is kept whole by :class:`GradientPrint`
@@ -777,16 +779,64 @@ class _OnDisk:
         return torch.load(path, map_location=device, weights_only=True)
 
 
-def _close(x: torch.Tensor | None, y: torch.Tensor | None, compiled: bool) -> bool:
-    """Equal to float tolerance. A compiled step reorders float reductions (fused batch
-    norms over large batches): it is compared by norm, ``|x - y| <= 1e-2 |y|``, ten times
-    the gap torch.compile itself shows against eager on a CNN's gradients."""
+@dataclass(frozen=True)
+class Tolerance:
+    """How closely the self-check's step must give the reference's loss and gradients:
+    element by element, ``|x - y| <= atol + rtol |y|``, or ``by_norm``,
+    ``|x - y| <= rtol |y| + atol`` over the whole tensor."""
+
+    rtol: float
+    atol: float
+    by_norm: bool = False
+
+
+#: float32 arithmetic: the captured ops are eager's, and a reduction that torch itself
+#: runs in another order from one run to the next (CPU embedding backward) differs in
+#: its last bits
+EAGER = Tolerance(rtol=1e-3, atol=1e-5)
+#: 16-bit float arithmetic (autocast, or bfloat16/float16 weights or inputs): the
+#: captured graph decomposes some of eager's fused kernels (their backward above all)
+#: into ops that round their 16-bit results otherwise, a unit in the last place, and
+#: what is computed from those moves with them; ``torch.testing``'s tolerance for
+#: bfloat16 (the rewrite's recomputations run the captured ops again, bit for bit)
+HALF = Tolerance(rtol=1.6e-2, atol=1e-5)
+#: a compiled step reorders float reductions (fused batch norms over large batches): ten
+#: times the gap torch.compile itself shows against eager on a CNN's gradients
+COMPILED = Tolerance(rtol=1e-2, atol=1e-6, by_norm=True)
+
+
+def check_tolerance(model: nn.Module, args: tuple = (), kwargs: dict | None = None, *,
+                    compiled: bool = False) -> Tolerance:
+    """The self-check's :class:`Tolerance` for a step of ``model`` on ``(args, kwargs)``
+    run now: :data:`COMPILED` for a compiled step, :data:`HALF` where autocast is on
+    with a 16-bit dtype or the parameters or float inputs are 16-bit, else :data:`EAGER`.
+
+    Examples
+    --------
+    >>> net = nn.Linear(4, 4)
+    >>> check_tolerance(net) is EAGER
+    True
+    >>> with torch.autocast("cpu", dtype=torch.bfloat16):
+    ...     check_tolerance(net) is HALF
+    True
+    """
+    if compiled:
+        return COMPILED
+    floats = [t for t in list(model.parameters()) + tree_leaves((args, kwargs or {}))
+              if isinstance(t, torch.Tensor) and t.is_floating_point()]
+    if any(dtype.itemsize <= 2 for _, dtype in autocast_state()) or any(t.element_size() <= 2 for t in floats):
+        return HALF
+    return EAGER
+
+
+def _close(x: torch.Tensor | None, y: torch.Tensor | None, tolerance: Tolerance) -> bool:
+    """Equal within ``tolerance``."""
     if x is None or y is None:
         return x is None and y is None
-    if not compiled:
-        return torch.allclose(x, y, rtol=1e-3, atol=1e-5, equal_nan=True)
+    if not tolerance.by_norm:
+        return torch.allclose(x, y, rtol=tolerance.rtol, atol=tolerance.atol, equal_nan=True)
     diff = torch.linalg.vector_norm((x - y).double())
-    return bool(diff <= 1e-2 * torch.linalg.vector_norm(y.double()) + 1e-6)
+    return bool(diff <= tolerance.rtol * torch.linalg.vector_norm(y.double()) + tolerance.atol)
 
 
 def self_check(model: nn.Module, step: Callable, *, args: tuple, kwargs: dict, session: Session,
