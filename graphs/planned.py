@@ -491,12 +491,17 @@ class _PlanCache:
         ``use_cache`` keyword that the call (or the model's ``config``) leaves on, as
         Hugging Face's own gradient checkpointing does: a key-value cache is of no use to
         a training step, and the cache objects a model returns are not tensors a captured
-        step can return. Warned once per module; the report notes it."""
+        step can return. A forward that passes its ``**kwargs`` on (a PEFT model's) takes
+        it where the model's ``config`` has a ``use_cache``. Warned once per module; the
+        report notes it."""
         if self.cache_keyword is None:
             params = inspect.signature(self.original_forward).parameters
             names = list(params)
-            self.cache_keyword = ("use_cache" in params and params["use_cache"].kind != inspect.Parameter.POSITIONAL_ONLY,
-                                  names.index("use_cache") if "use_cache" in params else -1)
+            named = "use_cache" in params and params["use_cache"].kind != inspect.Parameter.POSITIONAL_ONLY
+            passed_on = ("use_cache" not in params and any(p.kind == inspect.Parameter.VAR_KEYWORD
+                                                           for p in params.values())
+                         and hasattr(getattr(self.model, "config", None), "use_cache"))
+            self.cache_keyword = (named or passed_on, names.index("use_cache") if named else -1)
         takes, position = self.cache_keyword
         if not takes or 0 <= position - 1 < len(args):  # (position counts self) given positionally: as given
             return kwargs

@@ -29,8 +29,15 @@ def _gpt2():
     return transformers.GPT2LMHeadModel(config)
 
 
+def _lora_llama():
+    """A PEFT model, whose forward passes its ``**kwargs`` on to the model it wraps."""
+    peft = pytest.importorskip("peft")  # a dev extra: installed wherever the tests run
+    config = peft.LoraConfig(r=4, lora_alpha=8, target_modules=["q_proj", "v_proj"], lora_dropout=0.0)
+    return peft.get_peft_model(_llama(), config)
+
+
 @pytest.mark.parametrize("mode", ["graph", "module"])
-@pytest.mark.parametrize("make", [_llama, _gpt2], ids=["llama", "gpt2"])
+@pytest.mark.parametrize("make", [_llama, _gpt2, _lora_llama], ids=["llama", "gpt2", "lora-llama"])
 def test_a_model_with_its_cache_on_trains_as_the_plain_model(make, mode):
     torch.manual_seed(0)
     model = make().train()
