@@ -39,6 +39,9 @@ class Session:
     loss_fn: Callable[[Any], Any] | None = None  # the user's loss, when optimize was given one
     planning_peak: int | None = None  # the highest allocator peak of planning's own runs
     inputs: "PlanningInputs | None" = None  # the copies of the example inputs that planning runs on
+    #: where the loss is computed outside the model: the most a real step measured beyond
+    #: its plan's prediction, per byte of the model's outputs (:meth:`saw_step`)
+    beyond_per_output: float = 0.0
 
     def saw(self, peak: int | None) -> None:
         """Count the allocator's peak of one of planning's runs (None: not measured),
@@ -48,12 +51,44 @@ class Session:
             beside = self.inputs.beside_bytes if self.inputs is not None else 0
             self.planning_peak = max(self.planning_peak or 0, int(peak) + beside)
 
+    def saw_step(self, peak: int, report: Report) -> None:
+        """Count a real step of the plan ``report`` whose allocator peak was ``peak``: where
+        the model returns no scalar loss, what it measured beyond the plan's prediction
+        is what the loss computed outside the model allocates, and grows with the outputs
+        the loss reads (:meth:`held_for_loss`)."""
+        outputs = outputs_outside_loss(report.graph) if report.graph is not None else 0
+        if outputs and report.predicted_peak_bytes is not None:
+            beyond = int(peak) - report.predicted_peak_bytes
+            self.beyond_per_output = max(self.beyond_per_output, beyond / outputs)
+
+    def held_for_loss(self, cg: Any) -> int:
+        """Bytes a new plan of ``cg`` holds back for a loss computed outside the model,
+        in proportion to its outputs, as a real step of an earlier plan measured it
+        (:meth:`saw_step`); 0 where none has, or where ``cg`` returns its loss."""
+        return int(self.beyond_per_output * outputs_outside_loss(cg))
+
     def publish(self) -> None:
         """Show the latest report on every module of the call."""
         if self.report is not None and self.planning_peak is not None:
             self.report.planning_peak_bytes = self.planning_peak
         for m in self.modules:
             m.report = self.report
+
+
+def loss_tangents(cg: Any) -> tuple[list, list]:
+    """The tangents of a captured step's scalar outputs (losses), and all its tangents."""
+    tangents = [v for v in cg.ops if cg[v]["op"] == "tangent"]
+    return [t for t in tangents if cg[t].get("grad_of") in cg.nx and cg[cg[t]["grad_of"]]["bytes"] <= 8], tangents
+
+
+def outputs_outside_loss(cg: Any) -> int:
+    """Bytes of the outputs whose gradients start a captured step's backward, where none
+    of them is a scalar loss (the loss is computed outside the model, from them); 0
+    where the step returns its loss."""
+    scalar, tangents = loss_tangents(cg)
+    if scalar:
+        return 0
+    return sum(int(cg[cg[t]["grad_of"]]["bytes"]) for t in tangents if cg[t].get("grad_of") in cg.nx)
 
 
 def split_inputs(example_inputs: Any) -> tuple[tuple, dict]:

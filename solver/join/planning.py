@@ -30,7 +30,8 @@ from graphs.planned import ModuleStep
 from graphs.repeated import capture_cut
 from graphs.rewrite import replay_random_ops
 from graphs.units import format_bytes
-from solver.join.checks import PlanningInputs, Session, fit_measured, inputs_key, measured_peak, self_check
+from solver.join.checks import (PlanningInputs, Session, fit_measured, inputs_key, loss_tangents, measured_peak,
+                                self_check)
 from solver.errors import InfeasibleBudget, SolverError
 from solver.join.fixed import SEED_RESERVE, untracked_bytes
 from solver.module_plan import hold_bound_values, hold_node_inputs, plan_modules
@@ -109,8 +110,8 @@ def plan_step(model: nn.Module, args: tuple, kwargs: dict, *, request: Request, 
     session.inputs = inputs = PlanningInputs(args, kwargs)
     try:
         with training_mode(model) as was_eval, module_hooks_off(model):
-            step = _plan_step(model, inputs.args, inputs.kwargs, request=request, session=session,
-                              held_back=held_back, hooked=hooked)
+            step, held_back = _plan_step(model, inputs.args, inputs.kwargs, request=request, session=session,
+                                         held_back=held_back, hooked=hooked)
     finally:
         session.inputs = None
         inputs.release()
@@ -144,8 +145,15 @@ def _plan_step(model: nn.Module, args: tuple, kwargs: dict, *, request: Request,
     # a plan before this one, of the same step at other sizes (a family's bucket) or for
     # another margin, prices this one: its measured op costs are carried, scaled
     like = session.report.graph if session.report is not None else None
-    cap = measure_within(capture_step(model, args, kwargs, request=request), request=request, held_back=held_back,
-                         like=like, runs=measuring_runs(model, args, kwargs))
+    captured = capture_step(model, args, kwargs, request=request)
+    # a real step of an earlier plan (another size) measured what the loss computed
+    # outside the model allocates: this plan holds as much back, for its own outputs,
+    # and 1 % of the budget, as the watch's replan does
+    for_loss = session.held_for_loss(captured.graph)
+    for_loss += captured.budget // 100 if for_loss else 0
+    held_back = max(held_back, for_loss)
+    cap = measure_within(captured, request=request, held_back=held_back, like=like,
+                         runs=measuring_runs(model, args, kwargs))
     session.saw(cap.planning_peak)
     if request.mode == "module":
         # the block seconds of an earlier plan whose op costs were carried are carried too
@@ -193,10 +201,14 @@ def _plan_step(model: nn.Module, args: tuple, kwargs: dict, *, request: Request,
         report.notes.append(f"the parameters held {format_bytes(grads)} of gradients when planned: the plan keeps "
                             "them through the step, as gradient accumulation does (call zero_grad(set_to_none=True) "
                             "before optimize() to plan without them)")
+    if for_loss and for_loss == held_back:
+        report.notes.append(f"planned for {format_bytes(cap.budget - held_back)}: {format_bytes(for_loss)} held back "
+                            "for the loss computed outside the model, in proportion to its outputs, as a real step "
+                            "of an earlier plan measured it")
     planning_note(report, cap, session)
     session.publish()
     log.info("%s", session.report)
-    return step
+    return step, held_back
 
 
 def capture_step(model: nn.Module, args: tuple, kwargs: dict, *, request: Request) -> Captured:
@@ -537,12 +549,6 @@ def loss_note(report: Report, cg: ComputeGraph, *, loss_fn: Callable[[Any], Any]
 def returns_a_loss(cg: ComputeGraph) -> bool:
     """Whether one of the model's outputs is a scalar (a loss the step backpropagates)."""
     return bool(loss_tangents(cg)[0])
-
-
-def loss_tangents(cg: ComputeGraph) -> tuple[list, list]:
-    """The tangents of the scalar outputs (losses), and all tangents."""
-    tangents = [v for v in cg.ops if cg[v]["op"] == "tangent"]
-    return [t for t in tangents if cg[t].get("grad_of") in cg.nx and cg[cg[t]["grad_of"]]["bytes"] <= 8], tangents
 
 
 def backward_from_loss(cg: ComputeGraph) -> None:

@@ -266,6 +266,7 @@ class WatchedStep:
                     "torch.cuda.reset_peak_memory_stats() before training to let the watch see it")
             return
         self.step_peaks.append(int(peak))
+        self.session.saw_step(int(peak), self.report)
         if self.report.step_peak_bytes is None:
             self.report.step_peak_bytes = int(peak)
         if peak > budget:

@@ -10,6 +10,7 @@ import pytest
 import torch
 from torch import nn
 
+from solver.join.checks import Session
 from solver.join.watch import UNSEEN_TRIES, WatchedStep
 
 
@@ -63,7 +64,7 @@ def _watched(counters: Counters, *, budget: int, spike: int, watch: str = "auto"
     report = SimpleNamespace(budget_bytes=budget, predicted_peak_bytes=budget // 2, graph=None,
                              step_peak_bytes=None, notes=[])
     watched = WatchedStep(step, replan=replan or (lambda held: pytest.fail("planned again")),
-                          session=SimpleNamespace(report=report), watch=watch)
+                          session=Session(report=report), watch=watch)
     arg = torch.zeros(4).as_subclass(FakeCuda)  # 16 bytes "on the device"
     return watched, lin, arg, report
 
