@@ -174,12 +174,13 @@ def offload_steps_table() -> str:
 def training_loops_table() -> str:
     """``training_loops.json``: a loop over varying lengths, and planning times."""
     data = _load("training_loops.json")
-    out = ["| run | total s | vs plain | plans | first step at each length s | highest step peak / budget |",
+    out = ["| run | total s | vs plain | plans (captures) | first step at each length s | highest step peak / budget |",
            "|---|---|---|---|---|---|"]
     for r in data["loops"]:
         fit = "" if r.get("max_step_peak_bytes") is None else f"{r['max_step_peak_bytes'] / r['budget_bytes']:.2f}"
         ratio = "" if r.get("ratio") is None else f"{r['ratio']:.2f}x"
-        out.append(f"| {r['case']} | {r['total_s']:.2f} | {ratio} | {r['plans']} | "
+        captures = f" ({r['captures']})" if "captures" in r else ""
+        out.append(f"| {r['case']} | {r['total_s']:.2f} | {ratio} | {r['plans']}{captures} | "
                    f"{', '.join(f'{x:g}' for x in r['first_steps_s'])} | {fit} |")
     out += ["", f"Planning time of `optimize()` with example inputs at half of store-all (goal: "
                 f"{data['goal_plan_s']:g} s; the parts are wall seconds):", "",

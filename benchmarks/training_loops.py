@@ -9,9 +9,10 @@
    loop meets it) at half of the plain step's peak at the longest length, measured by
    the allocator: in graph mode (the default), in module mode, and in graph mode with
    ``dynamic=False`` (a plan per length). Reported: the total time of the 50 steps,
-   planning included, against the plain model's; the plans made (captures and
-   solves, the watch's replans included); the first step at each new length (where a
-   plan or a step at new sizes is made); the highest peak the allocator measured of a
+   planning included, against the plain model's; the plans made (solves, the watch's
+   replans included) and, of them, those that captured the step (graph mode's plans of
+   a family on its symbolic capture capture nothing); the first step at each new length
+   (where a plan or a step at new sizes is made); the highest peak the allocator measured of a
    real step (the watch's default: the first step of each plan and of each new size).
    Goal: at most 1.3x the plain model's time.
 2. **Planning time.** ``solver.optimize(model, budget, batch)`` with example inputs at
@@ -85,14 +86,18 @@ def _loop(case: str, steps: int, queue) -> None:
     from graphs.memory import settle_open_judges
     from graphs.units import GiB
 
-    plans = [0]
-    plan = planning._plan_step
+    plans, captures = [0], [0]
+    plan, capture = planning._plan_step, planning.capture
 
     def counted(*args, **kwargs):
         plans[0] += 1
         return plan(*args, **kwargs)
 
-    planning._plan_step = counted
+    def captured(*args, **kwargs):
+        captures[0] += 1
+        return capture(*args, **kwargs)
+
+    planning._plan_step, planning.capture = counted, captured
     model = _qwen2()
     budget = None
     if case == "plain":
@@ -117,7 +122,8 @@ def _loop(case: str, steps: int, queue) -> None:
     settle_open_judges()
     peaks = [p for s in getattr(run, "remat_steps", {}).values() for p in s.step_peaks]
     report = getattr(run, "report", None)
-    queue.put(dict(case=case, steps=steps, total_s=round(total, 2), plans=plans[0], first_steps_s=firsts,
+    queue.put(dict(case=case, steps=steps, total_s=round(total, 2), plans=plans[0], captures=captures[0],
+                   first_steps_s=firsts,
                    budget_bytes=budget, max_step_peak_bytes=max(peaks) if peaks else None,
                    measured_steps=len(peaks), mode=getattr(report, "mode", None),
                    notes=list(getattr(report, "notes", []))))
@@ -207,12 +213,12 @@ def main(argv=None) -> None:
 
     print(f"{args.steps} steps, lengths {', '.join(map(str, LENGTHS))} in turn, batch {BATCH}; "
           f"budget half of the plain step's peak (goal: at most {GOAL_RATIO}x the plain model's time)\n")
-    print("| run | total s | vs plain | plans | first step at each length s | highest step peak / budget |")
+    print("| run | total s | vs plain | plans (captures) | first step at each length s | highest step peak / budget |")
     print("|---|---|---|---|---|---|")
     for r in loops:
         fit = "" if r["max_step_peak_bytes"] is None else f"{r['max_step_peak_bytes'] / r['budget_bytes']:.2f}"
         ratio = "" if r["ratio"] is None else f"{r['ratio']:.2f}x"
-        print(f"| {r['case']} | {r['total_s']:.2f} | {ratio} | {r['plans']} | "
+        print(f"| {r['case']} | {r['total_s']:.2f} | {ratio} | {r['plans']} ({r.get('captures', '')}) | "
               f"{', '.join(map(str, r['first_steps_s']))} | {fit} |")
     print(f"\nplanning time of optimize() with example inputs, budget half of store-all (goal: {GOAL_PLAN_S} s)\n")
     print("| model | mode | total s | capture s (wall) | measure s (wall) | solve s (wall) | check s (wall) |")

@@ -35,7 +35,7 @@ import logging
 import operator
 import traceback
 from dataclasses import dataclass, field
-from typing import Any, Callable, Mapping
+from typing import Any, Callable, Mapping, Sequence
 
 import torch
 import torch.fx
@@ -46,9 +46,10 @@ from graphs.autocast import autocast_as, autocast_state, no_autocast
 from graphs.compute_graph import BACKWARD_START, ComputeGraph
 from graphs.errors import CaptureError
 from graphs.hardware import Hardware, get_hardware
-from graphs.torch_internals import (FakeTensorMode, aot_export_joint, custom_functions_called, drop_python_kernels,
+from graphs.torch_internals import (FakeTensorMode, aot_export_joint, custom_functions_called, detect_fake_mode,
+                                     drop_python_kernels,
                                      fake_mode_of, is_fake, is_op_overload, lazy_graph_modules, op_schema, override_python_kernels,
-                                     tree_flatten, tree_leaves, tree_unflatten)
+                                     shape_guards, size_expr, size_hint, tree_flatten, tree_leaves, tree_unflatten)
 
 __all__ = ["capture", "CaptureInfo", "default_loss", "is_random_op", "op_draws", "node_draws", "random_order",
            "graph_of_joint", "plain_state", "fake_copies"]
@@ -511,6 +512,7 @@ def capture(
     measure_workspace: bool | None = None,
     repeats: int = 5,
     name: str | None = None,
+    symbolic_sizes: Mapping[int, Sequence[int]] | None = None,
 ) -> ComputeGraph:
     """Capture one training step of ``model`` as a cost-annotated :class:`ComputeGraph`.
 
@@ -554,6 +556,10 @@ def capture(
         Timed runs per op when measuring.
     name : str, optional
         Graph name; default the model's class name.
+    symbolic_sizes : mapping, optional
+        ``{i: dims}``: dimensions of the ``i``-th tensor of ``(args, kwargs)`` traced as
+        symbolic sizes; the joint graph then runs at any sizes there, and
+        :mod:`graphs.symbolic` sizes the DAG. Real inputs, nothing measured.
 
     Returns
     -------
@@ -580,15 +586,19 @@ def capture(
     args, kwargs = _call_arguments(model, example_inputs, example_kwargs)
     loss_fn = loss_fn or default_loss
     inputs = _step_inputs(model, args, kwargs, measure_time=measure_time, measure_workspace=measure_workspace)
-    fwd = _trace_forward(model, inputs, inplace=inplace)
+    fwd = _trace_forward(model, inputs, inplace=inplace, symbolic_sizes=symbolic_sizes)
     if backward not in ("loss", "outputs"):
         raise ValueError(f"backward must be 'loss' or 'outputs', got {backward!r}")
     step = _LossStep(fwd.module, fwd.out_spec, loss_fn if backward == "loss" else None, replace=_eager_semantics(
         [t for t in fwd.flat_in if isinstance(t, torch.Tensor)] + list(fwd.work_model.parameters())))
     joint, gm = _trace_joint(step, fwd)
+    guards = shape_guards(fwd.fake_mode) if fwd.sizes else []  # what the trace assumed of symbolic sizes
+    if fwd.sizes:
+        _sizes_from_inputs(gm)
     hw, storage, placeholders = _annotate_costs(gm, step, inputs, fwd, hardware=hardware, repeats=repeats)
 
     cg = _build(gm, storage, name=name or type(model).__name__, shared=_shared_sources(placeholders, step))
+    _keep_sizes(cg, fwd, guards)
     cg.meta.update({
         "captured_with": "torch.export(strict=False) + aot_export_joint_with_descriptors",
         "time_source": "measured" if inputs.measure_time else f"roofline:{hw.name}",
@@ -677,9 +687,29 @@ class _Forward:
     functions: list  # the custom autograd Functions that the forward calls
     input_indices: list  # which of ``flat_in`` the export takes
     user_flat: list  # those inputs
+    traced_flat: list | None = None  # what the joint is traced on, where not ``user_flat`` (symbolic sizes)
+    sizes: dict = field(default_factory=dict)  # (i, dim) -> the sympy expression of a symbolic size
 
 
-def _trace_forward(model: torch.nn.Module, inputs: _StepInputs, *, inplace: str) -> _Forward:
+def _dynamic_shapes(model: torch.nn.Module, args: tuple, kwargs: dict, flat: list,
+                    symbolic_sizes: Mapping[int, Sequence[int]]) -> Any:
+    """``torch.export``'s ``dynamic_shapes`` for the call: the dimensions named by
+    :func:`capture`'s ``symbolic_sizes`` marked ``Dim.AUTO`` (export ties the sizes that
+    must be equal), per argument of the forward's signature."""
+    import inspect
+
+    marked = {id(flat[i]): {d: torch.export.Dim.AUTO for d in dims} for i, dims in symbolic_sizes.items()}
+    bound = inspect.signature(model.forward).bind(*args, **kwargs).arguments
+
+    def spec(value: Any) -> Any:
+        leaves, tree = tree_flatten(value)
+        return tree_unflatten([marked.get(id(t)) if isinstance(t, torch.Tensor) else None for t in leaves], tree)
+
+    return {name: spec(value) for name, value in bound.items()}
+
+
+def _trace_forward(model: torch.nn.Module, inputs: _StepInputs, *, inplace: str,
+                   symbolic_sizes: Mapping[int, Sequence[int]] | None = None) -> _Forward:
     """:func:`capture`'s third phase: the forward at ATen level, with source lines (and
     the custom autograd Functions that the trace inlines: it keeps their forward's ops,
     whose derivative the joint takes), in fake tensors when the inputs are not real."""
@@ -693,11 +723,16 @@ def _trace_forward(model: torch.nn.Module, inputs: _StepInputs, *, inplace: str)
     eargs, ekwargs = tree_unflatten(flat_in, in_spec)
 
     functions: list = []
+    options = {}
+    if symbolic_sizes:
+        if not inputs.real or inputs.measure_time or inputs.measure_workspace:
+            raise CaptureError("symbolic_sizes needs real inputs and measure_time=False, measure_workspace=False")
+        options["dynamic_shapes"] = _dynamic_shapes(work_model, eargs, ekwargs, flat_in, symbolic_sizes)
     try:
         # (the graph modules made on the way generate their code only if run or read)
         with lazy_graph_modules(), fake_mode if fake_mode is not None else contextlib.nullcontext(), \
                 custom_functions_called(work_model, functions):
-            ep = torch.export.export(work_model, eargs, ekwargs, strict=False)
+            ep = torch.export.export(work_model, eargs, ekwargs, strict=False, **options)
     except CaptureError:
         raise
     except Exception as exc:
@@ -718,9 +753,112 @@ def _trace_forward(model: torch.nn.Module, inputs: _StepInputs, *, inplace: str)
         input_indices = [i for i, t in enumerate(flat_in)
                          if isinstance(t, (torch.Tensor, int, float, bool))][: len(fwd_inputs)]
     user_flat = [flat_in[i] for i in input_indices]
+    traced, sizes = None, {}
+    if symbolic_sizes:
+        traced, sizes = _symbolic_inputs(fwd_inputs, input_indices, symbolic_sizes)
+        fake_mode = detect_fake_mode(traced)
+        ranges = {e: (r.lower, r.upper) for e, r in ep.range_constraints.items()}
+        sizes = {k: (e, ranges.get(e)) for k, e in sizes.items()}
     return _Forward(export=ep, module=fwd, work_model=work_model, fake_mode=fake_mode, amp=amp, flat_in=flat_in,
                     in_spec=in_spec, out_spec=ep.call_spec.out_spec, functions=functions,
-                    input_indices=input_indices, user_flat=user_flat)
+                    input_indices=input_indices, user_flat=user_flat, traced_flat=traced, sizes=sizes)
+
+
+def _keep_sizes(cg: ComputeGraph, fwd: _Forward, guards: list) -> None:
+    """Write onto ``cg`` the traced inputs' shapes and, for a capture with symbolic
+    sizes, the sizes' expressions and ranges and the trace's conditions on them
+    (:mod:`graphs.symbolic` reads them)."""
+    # the traced inputs' shapes (in the order of ``capture_info.input_indices``)
+    cg.meta["input_shapes"] = [list(t.shape) if isinstance(t, torch.Tensor) else None for t in fwd.user_flat]
+    cg.sizes = fwd.sizes  # (i, dim) -> (expression, (least, most))
+    cg.size_guards = guards
+    if fwd.sizes:
+        cg.meta["symbolic_sizes"] = {f"{i}:{d}": str(e) for (i, d), (e, _) in fwd.sizes.items()}
+
+
+def _sizes_from_inputs(gm: torch.fx.GraphModule) -> None:
+    """Read every symbolic size off the step's inputs, which live through the whole
+    step, rather than off an intermediate: a size the backward reads from a forward
+    activation (``sym_size(view, 0)``) would keep that activation, or its base, alive
+    into the backward only to be measured. Each ``sym_size`` node of an intermediate
+    whose size is a sum of products of the inputs' size symbols and integers is
+    rewritten as that expression of the inputs' ``sym_size``; others are left."""
+    import sympy
+
+    graph = gm.graph
+    placeholders = [n for n in graph.nodes if n.op == "placeholder"]
+    first = next((n for n in graph.nodes if n.op != "placeholder"), None)
+    if first is None:
+        return
+    symbols: dict = {}  # symbol -> (placeholder, dim)
+    for p in placeholders:
+        val = p.meta.get("val")
+        for d, n in enumerate(getattr(val, "shape", ())):
+            e = size_expr(n)
+            if isinstance(e, sympy.Symbol) and e not in symbols:
+                symbols[e] = (p, d)
+    read: dict = {}  # symbol -> its sym_size node of the input, made once at the top
+
+    def emit(expr: Any, meta: dict) -> Any:
+        if isinstance(expr, sympy.Integer):
+            return int(expr)
+        if isinstance(expr, sympy.Symbol):
+            if expr not in read:
+                p, d = symbols[expr]
+                with graph.inserting_before(first):
+                    node = graph.call_function(torch.ops.aten.sym_size.int, (p, d))
+                node.meta = {"val": p.meta["val"].shape[d]}
+                read[expr] = node
+            return read[expr]
+        if isinstance(expr, (sympy.Add, sympy.Mul)):
+            parts = [emit(a, meta) for a in expr.args]
+            out = parts[0]
+            for part in parts[1:]:
+                out = graph.call_function(operator.add if isinstance(expr, sympy.Add) else operator.mul, (out, part))
+                out.meta = dict(meta)
+            return out
+        raise ValueError(expr)
+
+    def readable(expr: Any) -> bool:
+        if isinstance(expr, sympy.Integer):
+            return True
+        if isinstance(expr, sympy.Symbol):
+            return expr in symbols
+        return isinstance(expr, (sympy.Add, sympy.Mul)) and all(readable(a) for a in expr.args)
+
+    for node in list(graph.nodes):
+        if node.op != "call_function" or node.target is not torch.ops.aten.sym_size.int:
+            continue
+        source = node.args[0]
+        expr = size_expr(node.meta.get("val"))
+        if source.op == "placeholder" or expr is None or not readable(expr):
+            continue
+        with graph.inserting_before(node):
+            new = emit(expr, node.meta)
+        if isinstance(new, torch.fx.Node):
+            node.replace_all_uses_with(new)
+            graph.erase_node(node)
+    graph.lint()
+    gm.recompile()
+
+
+def _symbolic_inputs(placeholders: list, input_indices: list, symbolic_sizes: Mapping[int, Sequence[int]]
+                     ) -> tuple[list, dict]:
+    """The export's fake inputs, whose sizes are symbolic where asked, and each asked
+    dimension's expression; a :class:`CaptureError` where export kept one static."""
+    traced = [n.meta.get("val") for n in placeholders]
+    sizes = {}
+    for i, dims in symbolic_sizes.items():
+        if i not in input_indices:
+            raise CaptureError(f"symbolic_sizes names input {i}, which the traced forward does not take")
+        val = traced[input_indices.index(i)]
+        for d in dims:
+            expr = size_expr(val.shape[d])
+            if expr is None:
+                raise CaptureError(f"the size {d} of input {i} cannot stay symbolic: the forward specializes it "
+                                   f"to {int(val.shape[d])}")
+            sizes[(i, d)] = expr
+    return traced, sizes
 
 
 def _trace_joint(step: torch.nn.Module, fwd: _Forward) -> tuple[Any, torch.fx.GraphModule]:
@@ -728,7 +866,8 @@ def _trace_joint(step: torch.nn.Module, fwd: _Forward) -> tuple[Any, torch.fx.Gr
     its graph."""
     try:
         with contextlib.ExitStack() as stack:
-            joint = _export_joint(stack, step, fwd.user_flat, fwd.fake_mode, fwd.amp)
+            joint = _export_joint(stack, step, fwd.traced_flat if fwd.traced_flat is not None else fwd.user_flat,
+                                  fwd.fake_mode, fwd.amp)
             gm = joint.graph_module
     except CaptureError:
         raise
@@ -864,9 +1003,9 @@ def real_placeholder_values(placeholders: list, step: torch.nn.Module, user_flat
             values.append(buffers[desc.target].detach().clone())
         elif cls == "PlainAOTInput":
             values.append(user_flat[desc.idx])
-        else:  # tangents and anything else: a tensor like the fake value
+        else:  # tangents and anything else: a tensor like the fake value (at the traced sizes)
             val = node.meta["val"]
-            values.append(torch.ones(val.shape, dtype=val.dtype, device=val.device))
+            values.append(torch.ones([size_hint(n) for n in val.shape], dtype=val.dtype, device=val.device))
     return values
 
 
@@ -909,11 +1048,19 @@ def _build(gm: torch.fx.GraphModule, storage: dict, *, name: str, shared: dict[s
     base_of = {n.name: rec.base for n, rec in storage.items()}
     order: list[str] = []
     tangents: list[str] = []
+    sized: dict[str, Any] = {}  # bytes and FLOPs as expressions of symbolic sizes (graphs.symbolic)
+    sized_flops: dict[str, Any] = {}
     for node in gm.graph.nodes:
-        if node.op == "output":
+        if node.op == "output" or _is_size_node(node):
+            # (a symbolic size is an int the rewrite computes where it is read, from the
+            # step's inputs: not a value of the DAG)
             continue
         rec = storage[node]
         phase = "backward" if node.meta.get("partitioner_tag") == "is_backward" else "forward"
+        if rec.bytes and node.meta.get("remat_bytes_expr") is not None:
+            sized[node.name] = node.meta["remat_bytes_expr"]
+        if node.meta.get("remat_flops_expr") is not None:
+            sized_flops[node.name] = node.meta["remat_flops_expr"]
         if node.op == "placeholder" and phase == "backward":
             # a tangent arrives when the forward is done: an op that reads the forward
             # outputs, computed once, live from then on
@@ -945,6 +1092,8 @@ def _build(gm: torch.fx.GraphModule, storage: dict, *, name: str, shared: dict[s
         )
         order.append(node.name)
         for u in node.all_input_nodes:
+            if _is_size_node(u):
+                continue
             cg.add_edge(u.name, node.name)
             b = base_of.get(u.name, u.name)
             if b != u.name:
@@ -987,7 +1136,14 @@ def _build(gm: torch.fx.GraphModule, storage: dict, *, name: str, shared: dict[s
     # op workspaces: "measured" (real tensors: one profiled run of the graph) or
     # "estimated" (per op family, fake or meta tensors)
     cg.meta["workspace_source"] = gm.meta.get("remat_workspace_source", "none")
+    cg.sized_bytes = {v: e for v, e in sized.items() if v in cg.nx and cg[v]["bytes"]}
+    cg.sized_flops = dict(sized_flops)  # a multi-output op's too: its projections share its FLOPs
     return cg
+
+
+def _is_size_node(node: torch.fx.Node) -> bool:
+    """Whether ``node`` computes a symbolic size (a graph captured with symbolic sizes)."""
+    return isinstance(node.meta.get("val"), (torch.SymInt, torch.SymFloat, torch.SymBool))
 
 
 def _add_backward_start(cg: ComputeGraph, tangents: list[str]) -> str | None:

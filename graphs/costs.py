@@ -37,7 +37,7 @@ from graphs.errors import CaptureError
 from graphs.hardware import Hardware
 from graphs.memory import AllocatorPeak, peak_of_events, quiet_profile, settle_open_judges
 from graphs.torch_internals import (allocation_events, is_op_overload, labelled_spans, op_schema, profiler_running,
-                                   release_results, tree_leaves)
+                                   release_results, size_expr, size_hint, tree_leaves)
 
 __all__ = [
     "StorageRecord",
@@ -114,13 +114,18 @@ def tensor_storage_bytes(value: Any) -> int:
     >>> tensor_storage_bytes(x[0]), tensor_storage_bytes((x, torch.zeros(2)))
     (64, 72)
     """
+    return size_hint(_storage_bytes(value))
+
+
+def _storage_bytes(value: Any) -> Any:
+    """:func:`tensor_storage_bytes`, symbolic where the sizes are (an int or a SymInt)."""
     total = 0
     for t in tree_leaves(value):
         if isinstance(t, torch.Tensor):
             try:
-                total += int(t.untyped_storage().nbytes())
+                total = total + t.untyped_storage().nbytes()
             except Exception:  # tensors without storage (e.g. some subclasses)
-                total += t.numel() * t.element_size()
+                total = total + t.numel() * t.element_size()
     return total
 
 
@@ -175,6 +180,8 @@ def annotate_storage(gm: torch.fx.GraphModule) -> dict[torch.fx.Node, StorageRec
             continue
         try:
             val = node.meta.get("val")
+            # a graph captured with symbolic sizes: the bytes as an expression of them too
+            node.meta["remat_bytes_expr"] = size_expr(_storage_bytes(val))
             if node.op in ("placeholder", "get_attr"):
                 rec = StorageRecord(tensor_storage_bytes(val), node.name, False)
             elif node.target is operator.getitem:
@@ -238,9 +245,11 @@ def annotate_flops(gm: torch.fx.GraphModule) -> dict[str, int]:
             fn = _flop_counter(node.target)
             if fn is not None:
                 try:
-                    flops = int(fn(*_vals(node.args), **_vals(node.kwargs), out_val=node.meta.get("val")))
+                    flops = fn(*_vals(node.args), **_vals(node.kwargs), out_val=node.meta.get("val"))
                 except Exception as exc:
                     raise CaptureError(f"cannot count the FLOPs of {_where(node)}: {exc}") from exc
+        node.meta["remat_flops_expr"] = size_expr(flops)
+        flops = size_hint(flops)
         node.meta["remat_flops"] = flops
         out[node.name] = flops
     return out

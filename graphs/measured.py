@@ -212,7 +212,7 @@ def _op_costs(cg: ComputeGraph) -> dict[str, tuple[Any, float, int, int, int]]:
     return out
 
 
-def carry_costs(source: ComputeGraph, target: ComputeGraph) -> bool:
+def carry_costs(source: ComputeGraph, target: ComputeGraph, *, any_source: bool = False) -> bool:
     """Write the measured op times and workspaces of ``source`` onto ``target``, a
     capture of the same step at other sizes (every op of ``target`` is an op of
     ``source``: the same fx name and target), each scaled to the op's sizes in
@@ -222,6 +222,9 @@ def carry_costs(source: ComputeGraph, target: ComputeGraph) -> bool:
     ``"measured"`` (``target.meta["costs_from"]`` names where they were measured);
     the memory of a plan made from them is still judged by the allocator on its first
     step.
+
+    ``any_source``: carry ``source``'s figures however they were made (estimated
+    ones stay estimates); by default only measured ones.
 
     Returns
     -------
@@ -244,7 +247,8 @@ def carry_costs(source: ComputeGraph, target: ComputeGraph) -> bool:
     >>> large["relu"]["time"] == 4 * small["relu"]["time"]
     True
     """
-    if source.meta.get("time_source") != "measured" or source.meta.get("workspace_source") != "measured":
+    measured = source.meta.get("time_source") == "measured" and source.meta.get("workspace_source") == "measured"
+    if not measured and not any_source:
         return False
     try:
         have, want = _op_costs(source), _op_costs(target)
@@ -259,7 +263,8 @@ def carry_costs(source: ComputeGraph, target: ComputeGraph) -> bool:
         times[name] = seconds * (flops / old_flops if flops and old_flops else by_size)
         workspaces[name] = int(round(workspace * by_size))
     set_op_costs(target, times=times, workspaces=workspaces)
-    target.meta["time_source"] = target.meta["workspace_source"] = "measured"
+    target.meta["time_source"] = source.meta.get("time_source")
+    target.meta["workspace_source"] = source.meta.get("workspace_source")
     target.meta["costs_from"] = "a capture of the step at other sizes, scaled"
     return True
 @dataclass(frozen=True)

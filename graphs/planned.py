@@ -80,9 +80,11 @@ class NotPicklable(RematError, TypeError):
 
 #: ``planner(model, args, kwargs) -> step``
 Planner = Callable[[nn.Module, tuple, dict], Any]
-#: ``resizer(model, step, args, kwargs) -> step or None``: ``step``'s decisions run on
-#: inputs of the same family no larger than the ones it was planned for (None: plan them)
-Resizer = Callable[[nn.Module, Any, tuple, dict], Any]
+#: ``resizer(model, step, args, kwargs, larger=False) -> step or None``: ``step``'s
+#: decisions run on inputs of the same family no larger than the ones it was planned
+#: for; with ``larger=True``, on inputs larger than every planned call, where the
+#: resizer can plan them without a new capture (None: plan them)
+Resizer = Callable[..., Any]
 
 
 def input_signature(args: tuple, kwargs: dict) -> tuple:
@@ -375,7 +377,9 @@ def wrap_planned(model: nn.Module, planner: Planner, *,
         Shape families (:func:`size_family`): ``resizer(model, step, args, kwargs) ->
         step or None`` runs a plan's decisions on a call that differs from the planned
         one only in sizes, none larger (None: the call is planned). Given, a call larger
-        than every planned call of its family in some dimension is planned once for the
+        than every planned call of its family in some dimension is offered to
+        ``resizer(..., larger=True)`` (a plan of a capture with symbolic sizes takes it
+        without a capture), else planned once for the
         family's bucket (:func:`bucket_sizes`: the dimensions that grew rounded up to a
         power of two, on inputs grown by :func:`grown_inputs`) and runs that plan's
         decisions; where the bucket cannot be planned (a model that refuses the grown
@@ -585,6 +589,11 @@ class _PlanCache:
             base_step = steps[base]
             steps.move_to_end(base)
         else:
+            with root_hooks_off(self.model):
+                step = self.resizer(self.model, steps[planned[-1]], args, kwargs, larger=True)
+            if step is not None:
+                self.keep(key, step, args, kwargs, resized=True)
+                return step
             sizes = bucket_sizes(key, planned)
             big_args, big_kwargs = grown_inputs(args, kwargs, sizes)
             try:

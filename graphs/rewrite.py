@@ -386,6 +386,12 @@ def partition_by_schedule(
         A step reads a value that no earlier step made, or that is on the host.
     """
     fg, bg, saved = schedule_graphs(joint, sequence, num_fwd_outputs=num_fwd_outputs, offloads=offloads)
+    # AOTAutograd's runtime passes the saved sizes to the backward before the saved tensors
+    kept = [n for n in bg.nodes if n.op == "placeholder"][:len(saved)]
+    anchor = next((n for n in kept if not _is_size(n)), None)
+    if anchor is not None:
+        for ph in [n for n in kept if _is_size(n)]:
+            anchor.prepend(ph)
     # their code is generated once, when first run
     return lazy_graph_module(joint, fg), lazy_graph_module(joint, bg), saved
 
@@ -603,6 +609,17 @@ class _ScheduleWriter:
                 bg.erase_node(self.saved_ph[name])
                 saved.remove(name)
 
+        # Sizes saved for the backward (a graph captured with symbolic sizes) come after
+        # the saved tensors, in the forward's outputs and the backward's inputs alike
+        sizes = [name for name in saved if _is_size(self.saved_ph[name])]
+        if sizes:
+            saved[:] = [name for name in saved if name not in sizes] + sizes
+            ours = {self.saved_ph[name] for name in saved}
+            anchor = next(n for n in bg.nodes if n.op != "placeholder")
+            for ph in ([self.saved_ph[name] for name in saved]
+                       + [n for n in bg.nodes if n.op == "placeholder" and n not in ours]):
+                anchor.prepend(ph)
+
         # A buffer that the step mutates (BatchNorm running statistics) is written back
         # after the forward, which would invalidate a saved reference: save a copy of
         # buffers instead (they are small).
@@ -625,6 +642,12 @@ class _ScheduleWriter:
                     n.target = n.name
         fg.eliminate_dead_code(is_impure_node=_kept_unread)  # (erasing unread placeholders left none in backward)
         return fg, bg, saved
+
+
+def _is_size(node: fx.Node) -> bool:
+    """Whether ``node``'s value is a symbolic size (an int, float or bool of a graph
+    captured with symbolic sizes), not a tensor."""
+    return isinstance(node.meta.get("val"), (torch.SymInt, torch.SymFloat, torch.SymBool))
 
 
 def _kept_unread(node: fx.Node) -> bool:
@@ -807,8 +830,9 @@ def _host_value(val: object, like: Sequence[fx.Node]) -> object:
 
 def _derivable(node: fx.Node, env: dict[str, fx.Node]) -> bool:
     """Can a view be re-derived here from values this graph already has (through a chain
-    of views)? Then it should be, rather than pinning an older copy of its base."""
-    return all(w.name in env or (is_view(w) and _derivable(w, env)) for w in node.all_input_nodes)
+    of views; a symbolic size it reads is an int the forward saves)? Then it should be,
+    rather than pinning an older copy of its base."""
+    return all(w.name in env or _is_size(w) or (is_view(w) and _derivable(w, env)) for w in node.all_input_nodes)
 
 
 # ops whose output shares its input's storage although their schema does not say so

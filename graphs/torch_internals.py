@@ -45,7 +45,7 @@ __all__ = [
     # ops
     "OpOverload", "is_op_overload", "op_schema", "override_python_kernels", "drop_python_kernels",
     # fake tensors
-    "FakeTensorMode", "is_fake", "detect_fake_mode", "fake_value",
+    "FakeTensorMode", "is_fake", "detect_fake_mode", "fake_value", "size_hint", "size_expr", "shape_guards",
     # AOTAutograd
     "aot_export_joint", "aot_compile_joint", "boxed_codegen", "joint_is_plain", "renamed_input",
     "clear_saved_tensors",
@@ -199,6 +199,49 @@ def is_fake(t: Any) -> bool:
     return isinstance(t, FakeTensor)
 
 
+def size_hint(value: Any) -> int:
+    """``value`` as an int: itself, or for a symbolic size (a graph captured with
+    symbolic sizes) the value it has at the sizes it was traced at, read without adding
+    a guard.
+
+    Examples
+    --------
+    >>> size_hint(3)
+    3
+    """
+    if isinstance(value, torch.SymInt):
+        from torch.fx.experimental.symbolic_shapes import optimization_hint
+
+        return int(optimization_hint(value))
+    return int(value)
+
+
+def size_expr(value: Any) -> Any:
+    """The sympy expression of a symbolic size, in the symbols of its capture's inputs'
+    sizes; None for a plain number.
+
+    Examples
+    --------
+    >>> size_expr(3) is None
+    True
+    """
+    if isinstance(value, torch.SymInt):
+        return value.node.expr
+    return None
+
+
+def shape_guards(fake_mode: Any) -> list:
+    """The conditions on symbolic sizes (sympy expressions) that a trace in
+    ``fake_mode`` assumed so far, those that its own findings do not settle: a graph it
+    traced runs as traced only at sizes that meet them all."""
+    shape_env = getattr(fake_mode, "shape_env", None)
+    if shape_env is None:
+        return []
+    # in the trace's own terms: a size it found equal to another is that one
+    found = [shape_env.simplify(g.expr) for g in shape_env.guards]
+    return [e for e in found if not (e is True or getattr(e, "is_Boolean", False) and bool(e) is True)]
+
+
 def fake_mode_of(t: Any) -> Any:
     """The fake mode a fake tensor belongs to (None for anything else)."""
     return t.fake_mode if isinstance(t, FakeTensor) else None
@@ -234,7 +277,8 @@ def aot_compile_joint(joint: Any, *, partition_fn: Callable, fw_compiler: Callab
 
     The export itself is left as it was: compiling writes into the export's forward
     metadata (the traced tangents become runtime metadata, the random-state count is
-    set), so each compile works on its own copy of it, and one export compiles any
+    set, the saved tensors whose sizes are symbolic are listed), so each compile works on
+    its own copy of it, and one export compiles any
     number of cuts, after its stack has closed too. Compiling logs nothing: AOTAutograd
     otherwise prints the joint, forward and backward graphs to strings for its logs
     whether or not a log reads them (seconds on a graph of thousands of ops)."""
@@ -247,6 +291,8 @@ def aot_compile_joint(joint: Any, *, partition_fn: Callable, fw_compiler: Callab
     meta = state.fw_metadata = copy.copy(state.fw_metadata)
     meta.traced_tangents = list(meta.traced_tangents)
     meta.output_info = list(meta.output_info)
+    if hasattr(meta, "dynamic_saved_tensors_idxs"):  # written per cut (saved tensors with symbolic sizes)
+        meta.dynamic_saved_tensors_idxs = {}
     return aot_compile_joint_with_descriptors(dataclasses.replace(joint, _aot_state=state),
                                               partition_fn=partition_fn,
                                               fw_compiler=fw_compiler, bw_compiler=bw_compiler)

@@ -42,6 +42,9 @@ class Session:
     #: where the loss is computed outside the model: the most a real step measured beyond
     #: its plan's prediction, per byte of the model's outputs (:meth:`saw_step`)
     beyond_per_output: float = 0.0
+    #: per size family (:func:`graphs.planned.size_family`), graph mode's plans of a capture
+    #: with symbolic sizes (:class:`solver.join.families.SymbolicFamily`)
+    families: dict = field(default_factory=dict)
 
     def saw(self, peak: int | None) -> None:
         """Count the allocator's peak of one of planning's runs (None: not measured),

@@ -1,20 +1,30 @@
 """One plan for a family of shapes: a plan's decisions run on inputs that differ from
-its planned call only in sizes, none larger (:func:`graphs.planned.wrap_planned`'s
-``resizer``; :func:`solver.optimize`'s ``dynamic=True``).
+its planned call only in sizes, none larger, and graph mode's plans on a capture with
+symbolic sizes run larger ones too (:func:`graphs.planned.wrap_planned`'s ``resizer``;
+:func:`solver.optimize`'s ``dynamic=True``).
 
 What carries over, per kind of step:
 
 - a module-mode step (an action per layer block) and the original forward (the
   store-all schedule fitted) run at any size as they are: nothing is captured or solved;
-- a graph-mode step runs fx graphs specialized to their sizes: the step is captured
-  again at the new sizes (no op is timed, nothing is solved, no self-check: the
-  schedule's decisions are the plan's, checked at its sizes), and the plan's sequence
-  runs on it when the new graph has the same ops, named alike and wired alike.
+- a graph-mode step runs fx graphs specialized to their sizes. The first call of a
+  family at new sizes is planned once more on a capture whose differing dimensions are
+  symbolic (:func:`graphs.capture.capture`'s ``symbolic_sizes``; a
+  :class:`SymbolicFamily`): that plan's rewrite runs at any size there. Every later call
+  of the family, smaller or larger, takes the first of the family's symbolic plans whose
+  sequence fits the budget at its sizes (the DAG's bytes evaluated there,
+  :func:`graphs.symbolic.at_sizes`), or a plan solved at its sizes on that DAG, checked
+  against the model's gradients on the call: no capture. Where the symbolic capture
+  cannot be made (a model that specializes a size), the step is captured again at the
+  new sizes instead (no op timed, nothing solved, no self-check: the schedule's
+  decisions are the plan's, checked at its sizes), and the plan's sequence runs on it
+  when the new graph has the same ops, named alike and wired alike.
 
 Why the decisions still fit: the memory of the common layers grows with the sizes of
 their inputs (every tensor of a smaller call is no larger than its counterpart), so
 the plan's peak bounds the smaller call's. That is checked rather than assumed: a
-graph-mode sequence is simulated on the new capture and must fit the budget, and the
+graph-mode sequence is simulated at the call's sizes (on the symbolic capture's DAG
+evaluated there, or on the new capture) and must fit the budget, and the
 watch (:class:`solver.join.watch.WatchedStep`) measures the first real step at every new
 size by the allocator; a step over the budget plans again for its own sizes.
 """
@@ -22,19 +32,23 @@ size by the allocator; a step over the budget plans again for its own sizes.
 from __future__ import annotations
 
 import logging
+from dataclasses import dataclass, field
 from typing import Any
 
+import torch
 from torch import nn
 
 from graphs.compute_graph import BACKWARD_START, ComputeGraph
 from graphs.graph_mode import ScheduledStep
-from graphs.planned import ModuleStep
+from graphs.planned import ModuleStep, input_signature, size_family
+from graphs.symbolic import at_sizes, call_sizes, is_symbolic
+from graphs.torch_internals import tree_leaves
 from solver.join.checks import PlanningInputs
 from solver.schedule import Schedule
 from solver.simulate import simulate
 from solver.join.watch import WatchedStep
 
-__all__ = ["resize_step", "same_graph"]
+__all__ = ["resize_step", "same_graph", "SymbolicFamily"]
 
 log = logging.getLogger(__name__)
 
@@ -63,7 +77,19 @@ def same_graph(a: ComputeGraph, b: ComputeGraph) -> bool:
     return True
 
 
-def resize_step(model: nn.Module, step: Any, args: tuple, kwargs: dict, *, request: Any) -> Any:
+@dataclass
+class SymbolicFamily:
+    """Graph mode's plans of one size family on a capture with symbolic sizes: the
+    capture's DAG (at the sizes it was traced at) and the plans made on it, each
+    ``(report, step)``, the step running at any size of the family."""
+
+    graph: ComputeGraph | None = None
+    plans: list = field(default_factory=list)
+    failed: bool = False  # the symbolic capture could not be made: calls are captured at their sizes
+
+
+def resize_step(model: nn.Module, step: Any, args: tuple, kwargs: dict, *, request: Any,
+                larger: bool = False) -> Any:
     """``step``'s decisions for the call ``(args, kwargs)``, which is no larger than the
     call it was planned for in any dimension; None where they cannot run it (the call
     is then planned).
@@ -77,6 +103,9 @@ def resize_step(model: nn.Module, step: Any, args: tuple, kwargs: dict, *, reque
     args, kwargs
         The call.
     request : solver.join.planning.Request
+    larger : bool
+        The call is larger than every planned call of its family: run only by a
+        graph-mode family's symbolic plans (None otherwise, and the caller plans it).
 
     Returns
     -------
@@ -94,26 +123,28 @@ def resize_step(model: nn.Module, step: Any, args: tuple, kwargs: dict, *, reque
     >>> len(fast.remat_steps), fast.report.notes[-1].startswith("planned again")
     (2, False)
     """
-    from solver.join.planning import plan_step
-
     while isinstance(step, WatchedStep) and step._replaced is not None:
         step = step._replaced
     if not isinstance(step, WatchedStep):
         return None
     inner, report, session = step.step, step.report, step.session
+    # graph mode's eager rewrites (the original forward, where the store-all step fits,
+    # runs a smaller call as it is)
+    rewritten = (report is not None and report.mode == "graph" and report.graph is not None
+                 and request.compiler == "eager" and request.dp is None)
+    if rewritten and (larger or isinstance(inner, ScheduledStep)):
+        symbolic = _symbolic_step(model, step, args, kwargs, request=request)
+        if symbolic is not None or larger:
+            return symbolic
+    if larger:
+        return None
     if isinstance(inner, ScheduledStep):
         inner = _recaptured(model, inner, args, kwargs, report=report, request=request, held_back=step.held_back)
     elif not (isinstance(inner, ModuleStep) or type(inner).__name__ == "EagerStep"):
         return None
     if inner is None:
         return None
-
-    def replan(more: int) -> WatchedStep:
-        return plan_step(model, args, kwargs, request=request, session=session, held_back=more)
-
-    watched = WatchedStep(inner, replan=replan, session=session, watch=request.watch, held_back=step.held_back)
-    watched.report = report
-    return watched
+    return _watched(model, inner, report, args, kwargs, request=request, session=session, held_back=step.held_back)
 
 
 def _recaptured(model: nn.Module, inner: ScheduledStep, args: tuple, kwargs: dict, *, report: Any,
@@ -150,3 +181,92 @@ def _recaptured(model: nn.Module, inner: ScheduledStep, args: tuple, kwargs: dic
         return ScheduledStep(cg, sequence, compiler=inner.compiler, headroom=room)
     finally:
         inputs.release()
+
+
+def _differing_dims(graph: ComputeGraph, args: tuple, kwargs: dict) -> dict[int, tuple[int, ...]]:
+    """Per tensor of the call (flattening order), the dimensions whose sizes differ
+    from those of the call ``graph`` was captured on."""
+    info = graph.capture_info
+    if info is None:
+        return {}
+    flat = list(tree_leaves((args, kwargs)))
+    dims: dict[int, tuple[int, ...]] = {}
+    for k, shape in enumerate(graph.meta.get("input_shapes", [])):
+        i = info.input_indices[k] if k < len(info.input_indices) else k
+        t = flat[i] if i < len(flat) else None
+        if isinstance(t, torch.Tensor) and shape is not None and t.dim() == len(shape):
+            differ = tuple(d for d in range(t.dim()) if int(t.shape[d]) != shape[d])
+            if differ:
+                dims[i] = differ
+    return dims
+
+
+def _symbolic_step(model: nn.Module, step: WatchedStep, args: tuple, kwargs: dict, *, request: Any
+                   ) -> WatchedStep | None:
+    """The call's step from its family's plans on a capture with symbolic sizes
+    (:class:`SymbolicFamily`), planning the first of them on this call where there is
+    none; None where the family has no symbolic capture (it could not be made)."""
+    from solver.join.planning import plan_step
+
+    session, held_back = step.session, step.held_back
+    key = size_family(input_signature(args, kwargs))
+    family = session.families.setdefault(key, SymbolicFamily())
+    if family.failed:
+        return None
+    if family.graph is None:
+        dims = _differing_dims(step.report.graph, args, kwargs)
+        if not dims:
+            family.failed = True
+            return None
+        try:
+            made = plan_step(model, args, kwargs, request=request, session=session, held_back=held_back,
+                             symbolic_sizes=dims)
+        except Exception as exc:  # the model specializes a size, or the budget does not take the call
+            log.info("no plan with symbolic sizes %s (%s): the call is captured at its sizes", dims, exc)
+            family.failed = True
+            return None
+        if made.report is None or made.report.graph is None or not is_symbolic(made.report.graph):
+            family.failed = True  # planned otherwise (module mode after a failed check)
+            return made
+        family.graph = made.report.graph
+        family.plans.append((made.report, made.step))
+        made.report.notes.append("planned on a capture with symbolic sizes: the family's later calls, smaller or "
+                                 "larger, run its plans without a capture (graphs.symbolic)")
+        return made
+    values = call_sizes(family.graph, args, kwargs)
+    if values is None:
+        return None
+    try:
+        sized = at_sizes(family.graph, values)
+    except (TypeError, ValueError) as exc:  # a size the call's do not determine
+        log.info("the family's symbolic capture does not size the call %s (%s)", values, exc)
+        return None
+    for report, inner in family.plans:
+        sequence = list(report.schedule.sequence) if report.schedule is not None else sized.order
+        result = simulate(sized, sequence)
+        if result.valid and result.peak_bytes <= report.budget_bytes - held_back:
+            return _watched(model, inner, report, args, kwargs, request=request, session=session,
+                            held_back=held_back)
+    try:
+        made = plan_step(model, args, kwargs, request=request, session=session, held_back=held_back,
+                         captured=sized, like=family.graph)
+    except Exception as exc:
+        log.info("no plan at sizes %s on the family's symbolic capture (%s)", values, exc)
+        return None
+    if made.report is not None and made.report.graph is not None and is_symbolic(made.report.graph):
+        family.plans.append((made.report, made.step))
+    return made
+
+
+def _watched(model: nn.Module, inner: Any, report: Any, args: tuple, kwargs: dict, *, request: Any,
+             session: Any, held_back: int) -> WatchedStep:
+    """``inner``, a plan's step, watched for the call: measured on its first real step
+    and planned again for the call's own sizes when over the budget."""
+    from solver.join.planning import plan_step
+
+    def replan(more: int) -> WatchedStep:
+        return plan_step(model, args, kwargs, request=request, session=session, held_back=more)
+
+    watched = WatchedStep(inner, replan=replan, session=session, watch=request.watch, held_back=held_back)
+    watched.report = report
+    return watched

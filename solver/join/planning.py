@@ -12,7 +12,7 @@ import contextlib
 import logging
 import time
 import weakref
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import Any, Callable, Iterator
 
 from torch import nn
@@ -92,7 +92,8 @@ class Captured:
 
 
 def plan_step(model: nn.Module, args: tuple, kwargs: dict, *, request: Request, session: Session,
-              held_back: int = 0) -> Any:
+              held_back: int = 0, symbolic_sizes: dict | None = None, captured: ComputeGraph | None = None,
+              like: ComputeGraph | None = None) -> Any:
     """Capture, solve and check one step of ``model`` on ``(args, kwargs)`` for the budget
     less ``held_back`` bytes; the step to run (graph mode: a
     :class:`graphs.graph_mode.ScheduledStep` or the eager forward; module mode: a
@@ -102,7 +103,12 @@ def plan_step(model: nn.Module, args: tuple, kwargs: dict, *, request: Request, 
     A training step is planned, whatever mode the model is in now (a model in ``eval()``
     at optimize time trains later): every module is in training mode while planning and
     is put back as it was afterwards. Planning's own runs (capture, measurements, checks)
-    are not training steps: the hooks of the model's modules do not fire in them."""
+    are not training steps: the hooks of the model's modules do not fire in them.
+
+    ``symbolic_sizes`` (graph mode): capture with these dimensions symbolic
+    (:func:`graphs.capture.capture`), so that the plan's rewrite runs at any size there.
+    ``captured``: plan this DAG instead of capturing (a symbolic capture's DAG at the
+    call's sizes, :func:`graphs.symbolic.at_sizes`), its op costs carried from ``like``."""
     from graphs.torch_internals import forward_hooks, module_hooks_off
 
     hooked = forward_hooks(model, root=False)  # seen before planning's own runs turn them off
@@ -111,7 +117,8 @@ def plan_step(model: nn.Module, args: tuple, kwargs: dict, *, request: Request, 
     try:
         with training_mode(model) as was_eval, module_hooks_off(model):
             step, held_back = _plan_step(model, inputs.args, inputs.kwargs, request=request, session=session,
-                                         held_back=held_back, hooked=hooked)
+                                         held_back=held_back, hooked=hooked, symbolic_sizes=symbolic_sizes,
+                                         captured=captured, like=like)
     finally:
         session.inputs = None
         inputs.release()
@@ -140,20 +147,29 @@ def training_mode(model: nn.Module) -> Iterator[bool]:
 
 
 def _plan_step(model: nn.Module, args: tuple, kwargs: dict, *, request: Request, session: Session,
-               held_back: int, hooked: list[str]) -> Any:
+               held_back: int, hooked: list[str], symbolic_sizes: dict | None = None,
+               captured: ComputeGraph | None = None, like: ComputeGraph | None = None) -> Any:
     t0 = time.perf_counter()
     # a plan before this one, of the same step at other sizes (a family's bucket) or for
     # another margin, prices this one: its measured op costs are carried, scaled
-    like = session.report.graph if session.report is not None else None
-    captured = capture_step(model, args, kwargs, request=request)
+    if like is None:
+        like = session.report.graph if session.report is not None else None
+    given = captured is not None
+    if given:  # a symbolic capture's DAG at the call's sizes: priced from it, nothing runs
+        from graphs.measured import carry_costs
+
+        carry_costs(like, captured, any_source=True)
+        captured = given_step(captured, request=request)
+    else:
+        captured = capture_step(model, args, kwargs, request=request, symbolic_sizes=symbolic_sizes)
     # a real step of an earlier plan (another size) measured what the loss computed
     # outside the model allocates: this plan holds as much back, for its own outputs,
     # and 1 % of the budget, as the watch's replan does
     for_loss = session.held_for_loss(captured.graph)
     for_loss += captured.budget // 100 if for_loss else 0
     held_back = max(held_back, for_loss)
-    cap = measure_within(captured, request=request, held_back=held_back, like=like,
-                         runs=measuring_runs(model, args, kwargs))
+    cap = replace(captured, measured_with=()) if given else measure_within(
+        captured, request=request, held_back=held_back, like=like, runs=measuring_runs(model, args, kwargs))
     session.saw(cap.planning_peak)
     if request.mode == "module":
         # the block seconds of an earlier plan whose op costs were carried are carried too
@@ -211,7 +227,8 @@ def _plan_step(model: nn.Module, args: tuple, kwargs: dict, *, request: Request,
     return step, held_back
 
 
-def capture_step(model: nn.Module, args: tuple, kwargs: dict, *, request: Request) -> Captured:
+def capture_step(model: nn.Module, args: tuple, kwargs: dict, *, request: Request,
+                 symbolic_sizes: dict | None = None) -> Captured:
     """The captured step with its fixed charges, and the budget in step bytes. On real
     tensors nothing runs yet: times and workspaces are measured by
     :func:`measure_within`, in a schedule that fits. A model of more than five alike
@@ -223,7 +240,9 @@ def capture_step(model: nn.Module, args: tuple, kwargs: dict, *, request: Reques
                    inplace="functional" if request.mode == "graph" else "alias")
     cut = None
     blocks = layer_blocks(model, blocks=request.blocks)
-    if request.mode == "module" and request.dp is None:
+    if symbolic_sizes:  # the whole step, its rewrite run at any size of these dimensions
+        options["symbolic_sizes"] = symbolic_sizes
+    elif request.mode == "module" and request.dp is None:
         # a layer plan is priced on the DAG alone: alike middle layers are captured once
         cut = capture_cut(model, args, blocks=blocks, capture=capture, **options)
     elif request.dp is None and request.compiler == "eager":
@@ -253,13 +272,19 @@ def capture_step(model: nn.Module, args: tuple, kwargs: dict, *, request: Reques
         hold_bound_values(cg, blocks)
         if request.loss_fn is None:
             backward_from_loss(cg)  # eager autograd; AOTAutograd's runtime materializes zero tangents
-    capture_s = time.perf_counter() - t0
+    return given_step(cg, request=request, capture_seconds=time.perf_counter() - t0, cut=cut)
+
+
+def given_step(cg: ComputeGraph, *, request: Request, capture_seconds: float = 0.0, cut: Any = None) -> Captured:
+    """A captured and charged step's DAG with the budget in step bytes: what
+    :func:`capture_step` gives, or a DAG planned without a capture (a symbolic
+    capture's at other sizes, whose charges it carries)."""
     budget, act_budget = int(request.budget), None
     if request.activation_budget:
         act_budget = budget
         budget = budget + cg.fixed_bytes + cg.grad_bytes
     return Captured(graph=cg, budget=budget, activation_budget=act_budget, store_all=simulate(cg, cg.order).peak_bytes,
-                    capture_seconds=capture_s, solve_start=time.perf_counter(), cut=cut)
+                    capture_seconds=capture_seconds, solve_start=time.perf_counter(), cut=cut)
 
 
 #: per model, the schedules that measured its step's op costs, by the inputs' shapes:
