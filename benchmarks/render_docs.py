@@ -407,10 +407,16 @@ step's peak at the longest length; every case in a fresh process, one thread (go
 most 1.3x the plain model's time, planning included; not met).
 
 {{training_loops}}
-The same code's runs on this machine vary by about 10 %: three runs of this script (the
-first before module mode counted Python's names) gave graph mode 5.01x, 5.28x (beside
-another process) and 5.57x, module mode 2.86x, 3.43x (beside another process) and 3.16x;
-the table is the last.
+Graph mode captures the step twice: on the first call, and on the family's first call at
+new sizes with the dimensions that differ symbolic (8.3 s with its plan and check); the
+length 128, which none of the family's plans fit, is solved on that capture (1.05 s, no
+capture), and the other lengths run its plans (0.1 s). Before, graph mode captured every
+new length (about 2 s each): three runs gave 5.01x, 5.28x and 5.57x. The same code's runs
+on this machine vary by about 10 % (module mode: 2.86x, 3.43x beside another process,
+3.16x, 3.11x). With more lengths the symbolic capture pays more: side by side, 50 steps
+over 14 lengths (24 to 128) took 41.4 s capturing every length and 28.0 s with it (5
+lengths: 22.5 s and 20.2 s; process CPU time, `python benchmarks/training_loops.py`'s
+model and budget).
 """
 
 #: What each ``{{name}}`` of :data:`PAGE` renders to.
