@@ -244,7 +244,10 @@ def _symbolic_step(model: nn.Module, step: WatchedStep, args: tuple, kwargs: dic
     for report, inner in family.plans:
         sequence = list(report.schedule.sequence) if report.schedule is not None else sized.order
         result = simulate(sized, sequence)
-        if result.valid and result.peak_bytes <= report.budget_bytes - held_back:
+        # what the plan's checked step measured beyond its prediction, at its own sizes,
+        # comes on top of the prediction here too
+        beyond = max(0, (report.checked_peak_bytes or report.predicted_peak_bytes) - report.predicted_peak_bytes)
+        if result.valid and result.peak_bytes + beyond <= report.budget_bytes - held_back:
             return _watched(model, inner, report, args, kwargs, request=request, session=session,
                             held_back=held_back)
     try:
