@@ -729,13 +729,19 @@ def _emit(g: fx.Graph, node: fx.Node, env: dict[str, fx.Node], scheduled: set[st
 def _forget_derived(node: fx.Node, env: dict[str, fx.Node], scheduled: set[str]) -> None:
     """Drop from ``env`` the views and unscheduled projections of ``node``'s copy: ops
     that read them next derive them from its new copy (a view of an older copy would
-    keep that copy's storage alive)."""
-    stack = list(node.users)
+    keep that copy's storage alive). A view that only reads a size of ``node`` (a
+    symbolic size, an int) is not derived from its storage and stays."""
+    stack = [(node, user) for user in node.users]
     while stack:
-        user = stack.pop()
-        if (_is_projection(user) and user.name not in scheduled) or is_view(user):
+        parent, user = stack.pop()
+        if _is_projection(user) and user.name not in scheduled or is_view(user) and _view_base(user) is parent:
             if env.pop(user.name, None) is not None and is_view(user):
-                stack.extend(user.users)
+                stack.extend((user, u) for u in user.users)
+
+
+def _view_base(view: fx.Node) -> fx.Node | None:
+    """The value whose storage ``view`` shares: its first input that is not a size."""
+    return next((u for u in view.all_input_nodes if not _is_size(u)), None)
 
 
 def _not_away(u: fx.Node, away: set[str], env: dict[str, fx.Node]) -> None:

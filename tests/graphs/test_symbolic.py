@@ -119,3 +119,39 @@ def test_a_size_the_forward_branches_on_bounds_the_capture():
     cg = capture(_Branching(), (torch.randn(32, 8),), symbolic_sizes={0: (0,)}, **OPTIONS)
     assert call_sizes(cg, (torch.randn(64, 8),), {}) is not None
     assert call_sizes(cg, (torch.randn(8, 8),), {}) is None  # the other branch: not this graph
+
+
+def test_every_size_symbolic_views_that_read_sizes_are_derived_again_in_the_backward():
+    # T5 with batch and both lengths symbolic: attention views read sizes (batch x
+    # heads) that the backward computes again; such a size's new copy must not drop
+    # the views that read it (they share their base's storage, not the size's)
+    from solver.join.planning import lowest_peak_sequence, replayed_view
+
+    config = transformers.T5Config(d_model=32, d_ff=64, num_layers=1, num_decoder_layers=1, num_heads=4, d_kv=8,
+                                   vocab_size=64, decoder_start_token_id=0, pad_token_id=0, use_cache=False)
+    torch.manual_seed(0)
+    model = transformers.T5ForConditionalGeneration(config).train()
+    plain = copy.deepcopy(model)
+
+    def batch(n, source, target):
+        g = torch.Generator().manual_seed(source + target)
+        return {"input_ids": torch.randint(0, 64, (n, source), generator=g),
+                "labels": torch.randint(0, 64, (n, target), generator=g)}
+
+    cg = capture(model, (), example_kwargs=batch(4, 24, 8), symbolic_sizes={0: (0, 1), 1: (0, 1)}, **OPTIONS)
+    assert len({e for e, _ in cg.sizes.values()}) == 3  # batch and both lengths
+    sequence = lowest_peak_sequence(replayed_view(cg), target=int(0.9 * solver.simulate(cg, cg.order).peak_bytes))
+    assert len(sequence) > len(set(sequence))
+    step = ScheduledStep(cg, sequence)
+    for sizes in ((4, 24, 8), (3, 16, 12)):
+        torch.manual_seed(1)  # (the dropout masks drawn alike)
+        loss = step(model, (), batch(*sizes)).loss
+        torch.manual_seed(1)
+        want = plain(**batch(*sizes)).loss
+        loss.backward()
+        want.backward()
+        assert torch.equal(loss, want)
+        for p, q in zip(model.parameters(), plain.parameters()):
+            torch.testing.assert_close(p.grad, q.grad, rtol=1e-5, atol=1e-7)
+        model.zero_grad(set_to_none=True)
+        plain.zero_grad(set_to_none=True)
