@@ -559,7 +559,8 @@ def capture(
     symbolic_sizes : mapping, optional
         ``{i: dims}``: dimensions of the ``i``-th tensor of ``(args, kwargs)`` traced as
         symbolic sizes; the joint graph then runs at any sizes there, and
-        :mod:`graphs.symbolic` sizes the DAG. Real inputs, nothing measured.
+        :mod:`graphs.symbolic` sizes the DAG. A dimension the forward ties to a
+        constant stays static. Real inputs, nothing measured.
 
     Returns
     -------
@@ -845,9 +846,10 @@ def _sizes_from_inputs(gm: torch.fx.GraphModule) -> None:
 def _symbolic_inputs(placeholders: list, input_indices: list, symbolic_sizes: Mapping[int, Sequence[int]]
                      ) -> tuple[list, dict]:
     """The export's fake inputs, whose sizes are symbolic where asked, and each asked
-    dimension's expression; a :class:`CaptureError` where export kept one static."""
+    dimension's expression. A dimension the forward ties to a constant (a model width,
+    a size of 1) stays static; a :class:`CaptureError` where none of them stays symbolic."""
     traced = [n.meta.get("val") for n in placeholders]
-    sizes = {}
+    sizes, static = {}, []
     for i, dims in symbolic_sizes.items():
         if i not in input_indices:
             raise CaptureError(f"symbolic_sizes names input {i}, which the traced forward does not take")
@@ -855,9 +857,11 @@ def _symbolic_inputs(placeholders: list, input_indices: list, symbolic_sizes: Ma
         for d in dims:
             expr = size_expr(val.shape[d])
             if expr is None:
-                raise CaptureError(f"the size {d} of input {i} cannot stay symbolic: the forward specializes it "
-                                   f"to {int(val.shape[d])}")
-            sizes[(i, d)] = expr
+                static.append(f"size {d} of input {i} ({int(val.shape[d])})")
+            else:
+                sizes[(i, d)] = expr
+    if not sizes:
+        raise CaptureError(f"no size can stay symbolic: the forward specializes {', '.join(static)}")
     return traced, sizes
 
 
