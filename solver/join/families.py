@@ -43,12 +43,13 @@ from graphs.graph_mode import ScheduledStep
 from graphs.planned import ModuleStep, input_signature, size_family
 from graphs.symbolic import at_sizes, call_sizes, is_symbolic
 from graphs.torch_internals import tree_leaves
+from solver.errors import InfeasibleBudget, OptionError
 from solver.join.checks import PlanningInputs
 from solver.schedule import Schedule
 from solver.simulate import simulate
 from solver.join.watch import WatchedStep
 
-__all__ = ["resize_step", "same_graph", "SymbolicFamily"]
+__all__ = ["plan_dynamic", "resize_step", "same_graph", "SymbolicFamily"]
 
 log = logging.getLogger(__name__)
 
@@ -219,20 +220,12 @@ def _symbolic_step(model: nn.Module, step: WatchedStep, args: tuple, kwargs: dic
             family.failed = True
             return None
         try:
-            made = plan_step(model, args, kwargs, request=request, session=session, held_back=held_back,
-                             symbolic_sizes=dims)
+            return _family_planned(model, args, kwargs, dims, family, request=request, session=session,
+                                   held_back=held_back)
         except Exception as exc:  # the model specializes a size, or the budget does not take the call
             log.info("no plan with symbolic sizes %s (%s): the call is captured at its sizes", dims, exc)
             family.failed = True
             return None
-        if made.report is None or made.report.graph is None or not is_symbolic(made.report.graph):
-            family.failed = True  # planned otherwise (module mode after a failed check)
-            return made
-        family.graph = made.report.graph
-        family.plans.append((made.report, made.step))
-        made.report.notes.append("planned on a capture with symbolic sizes: the family's later calls, smaller or "
-                                 "larger, run its plans without a capture (graphs.symbolic)")
-        return made
     values = call_sizes(family.graph, args, kwargs)
     if values is None:
         return None
@@ -259,6 +252,68 @@ def _symbolic_step(model: nn.Module, step: WatchedStep, args: tuple, kwargs: dic
     if made.report is not None and made.report.graph is not None and is_symbolic(made.report.graph):
         family.plans.append((made.report, made.step))
     return made
+
+
+def _family_planned(model: nn.Module, args: tuple, kwargs: dict, dims: dict, family: SymbolicFamily, *,
+                    request: Any, session: Any, held_back: int) -> WatchedStep:
+    """The family's first plan, on a capture of the call with ``dims`` symbolic; the
+    family is marked failed where the plan is not a symbolic capture's (module mode
+    after a failed check)."""
+    from solver.join.planning import plan_step
+
+    made = plan_step(model, args, kwargs, request=request, session=session, held_back=held_back,
+                     symbolic_sizes=dims)
+    if made.report is None or made.report.graph is None or not is_symbolic(made.report.graph):
+        family.failed = True
+        return made
+    family.graph = made.report.graph
+    family.plans.append((made.report, made.step))
+    made.report.notes.append("planned on a capture with symbolic sizes: the family's later calls, smaller or "
+                             "larger, run its plans without a capture (graphs.symbolic)")
+    return made
+
+
+def symbolic_allowed(request: Any) -> bool:
+    """Whether the request's plans may be made on captures with symbolic sizes: graph
+    mode (or auto) running its rewrite as fx code, one process, no offload."""
+    return request.mode != "module" and request.compiler == "eager" and request.dp is None and not request.offload
+
+
+def plan_dynamic(model: nn.Module, args: tuple, kwargs: dict, *, request: Any, session: Any) -> WatchedStep:
+    """:func:`solver.optimize`'s ``dynamic=True``: the first call of a size family
+    planned on a capture with every dimension of its tensors symbolic (those the
+    forward ties to a constant stay static), as ``torch.compile(dynamic=True)`` traces,
+    so that no later call of the family is captured; planned at its sizes alone where
+    that capture cannot be made, or in module mode.
+
+    Examples
+    --------
+    >>> import torch, solver
+    >>> net = nn.Sequential(nn.Linear(8, 64), nn.Tanh(), nn.Linear(64, 1))
+    >>> fast = solver.optimize(net, 1.0, measure_time=False, dynamic=True)
+    >>> for n in (16, 32, 24):
+    ...     fast(torch.randn(n, 8)).sum().backward()
+    >>> from graphs.symbolic import is_symbolic
+    >>> is_symbolic(fast.report.graph)  # the first call's capture, with its sizes symbolic
+    True
+    >>> len(fast.remat_steps), len({id(s.report) for s in fast.remat_steps.values()})  # 3 sizes, 1 plan
+    (3, 1)
+    """
+    from solver.join.planning import plan_step
+
+    key = size_family(input_signature(args, kwargs))
+    family = session.families.setdefault(key, SymbolicFamily())
+    dims = {i: tuple(range(t.dim())) for i, t in enumerate(tree_leaves((args, kwargs)))
+            if isinstance(t, torch.Tensor) and t.dim() > 0}
+    if symbolic_allowed(request) and dims and family.graph is None and not family.failed:
+        try:
+            return _family_planned(model, args, kwargs, dims, family, request=request, session=session, held_back=0)
+        except (InfeasibleBudget, OptionError):
+            raise
+        except Exception as exc:  # the model specializes every size, or the symbolic trace fails
+            log.info("no plan with symbolic sizes (%s): the call is planned at its sizes", exc)
+            family.failed = True
+    return plan_step(model, args, kwargs, request=request, session=session)
 
 
 def _watched(model: nn.Module, inner: Any, report: Any, args: tuple, kwargs: dict, *, request: Any,

@@ -39,7 +39,7 @@ from solver.budget import OP_PART, Budget, real_number
 from solver.join.checks import PlanningInputs, Session, split_inputs
 from solver.join.data_parallel import data_parallel
 from solver.errors import OptionError
-from solver.join.families import resize_step
+from solver.join.families import plan_dynamic, resize_step
 from solver.join.fixed import optimizer_state_bytes
 from solver.join.planning import PLANNING_GAP_TOLERANCE, Request, plan_step
 from solver.report import Report
@@ -75,7 +75,7 @@ def optimize(
     compiler: str = "eager",
     loss_fn: Callable[[Any], torch.Tensor] | None = None,
     watch: str = "auto",
-    dynamic: bool = True,
+    dynamic: bool | None = None,
     offload: bool = False,
 ) -> nn.Module:
     """Return a drop-in module whose training step fits ``budget_gb``.
@@ -127,8 +127,9 @@ def optimize(
         The loss computed outside the model, ``loss_fn(output) -> scalar``.
     watch : {"auto", "first", "every", "off"}
         Which real steps are measured by the allocator (:mod:`solver.join.watch`).
-    dynamic : bool
-        One plan for calls that differ only in sizes (:mod:`solver.join.families`).
+    dynamic : bool, optional
+        As ``torch.compile``'s: sizes go symbolic once they vary; ``True``: from the
+        first call (graph mode); ``False``: a plan per signature (:mod:`solver.join.families`).
     offload : bool
         Graph mode, ``method="auto"``: values may go to host memory and back.
 
@@ -157,10 +158,8 @@ def optimize(
     >>> net = nn.Sequential(nn.Linear(64, 256), nn.ReLU(), nn.Linear(256, 256), nn.ReLU(), nn.Linear(256, 1))
     >>> x = torch.randn(512, 64)
     >>> fast = optimize(net, 2.0, (x,), measure_time=False)
-    >>> fast.report.predicted_peak_bytes <= fast.report.budget_bytes
-    True
-    >>> torch.equal(fast(x), net(x))
-    True
+    >>> fast.report.predicted_peak_bytes <= fast.report.budget_bytes, torch.equal(fast(x), net(x))
+    (True, True)
     """
     budget, request = _read_options(
         model, budget_gb, planned_now=example_inputs is not None, method=method, time_limit=time_limit,
@@ -175,18 +174,20 @@ def optimize(
     return wrapper
 
 
-def _wrap(model: nn.Module, example_inputs: Any, *, request: Request, dynamic: bool) -> tuple[nn.Module, Session]:
+def _wrap(model: nn.Module, example_inputs: Any, *, request: Request,
+          dynamic: bool | None) -> tuple[nn.Module, Session]:
     """The drop-in module with its planning session: planned now on ``example_inputs``
     when given (and, with data parallelism, wrapped for this rank), else lazily."""
-    resizer = functools.partial(resize_step, request=request) if dynamic else None
+    resizer = functools.partial(resize_step, request=request) if dynamic is not False else None
     session = Session(loss_fn=request.loss_fn)
-    planner = functools.partial(plan_step, request=request, session=session)
+    plan = plan_dynamic if dynamic else plan_step  # True: a family's first call planned with its sizes symbolic
+    planner = functools.partial(plan, request=request, session=session)
 
     def copy_planner(copy: nn.Module) -> Any:  # a deep copy plans again, into its own report
         own = Session(modules=[copy], loss_fn=request.loss_fn)
         copy.report = None
         copy.__dict__[SESSION] = own
-        return functools.partial(plan_step, request=request, session=own)
+        return functools.partial(plan, request=request, session=own)
 
     if request.dp is not None:  # planned now, on this rank's batch, then wrapped for the rank
         args, kwargs = split_inputs(example_inputs)
@@ -485,9 +486,10 @@ def _read_options(model: nn.Module, budget_gb: Any, *, planned_now: bool, method
     opt_bytes = optimizer_state_bytes(optimizer, model)
     if dp is not None:
         dp.optimizer_bytes = opt_bytes
-    for name, value in (("dynamic", dynamic), ("offload", offload)):
-        if not isinstance(value, bool):
-            raise OptionError(f"{name} must be True or False, got {value!r}")
+    if dynamic is not None and not isinstance(dynamic, bool):
+        raise OptionError(f"dynamic must be None, True or False, got {dynamic!r}")
+    if not isinstance(offload, bool):
+        raise OptionError(f"offload must be True or False, got {offload!r}")
     request = Request(mode=mode, budget=budget.total_bytes, activation_budget=budget.activation_only, method=method,
                       time_limit=time_limit, compiler=compiler, self_check=self_check, blocks=blocks,
                       gap_tolerance=PLANNING_GAP_TOLERANCE if gap_tolerance is None else float(gap_tolerance),
