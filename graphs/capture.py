@@ -856,7 +856,7 @@ def _symbolic_inputs(placeholders: list, input_indices: list, symbolic_sizes: Ma
         val = traced[input_indices.index(i)]
         for d in dims:
             expr = size_expr(val.shape[d])
-            if expr is None:
+            if expr is None or expr.is_number:  # specialized by the trace
                 static.append(f"size {d} of input {i} ({int(val.shape[d])})")
             else:
                 sizes[(i, d)] = expr

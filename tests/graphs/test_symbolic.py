@@ -121,6 +121,17 @@ def test_a_size_the_forward_branches_on_bounds_the_capture():
     assert call_sizes(cg, (torch.randn(8, 8),), {}) is None  # the other branch: not this graph
 
 
+def test_a_size_the_forward_ties_to_a_width_stays_static_and_the_others_symbolic():
+    """Every size asked symbolic, as ``optimize(dynamic=True)`` asks: the feature size,
+    which ``nn.Linear`` ties to its width, stays static; the batch goes symbolic. Asked
+    alone, the feature size is refused with the size named."""
+    cg = capture(_Branching(), (torch.randn(32, 8),), symbolic_sizes={0: (0, 1)}, **OPTIONS)
+    assert list(cg.meta["symbolic_sizes"]) == ["0:0"], cg.meta["symbolic_sizes"]
+    assert call_sizes(cg, (torch.randn(64, 8),), {}) is not None
+    with pytest.raises(CaptureError, match="size 1 of input 0"):
+        capture(_Branching(), (torch.randn(32, 8),), symbolic_sizes={0: (1,)}, **OPTIONS)
+
+
 def test_every_size_symbolic_views_that_read_sizes_are_derived_again_in_the_backward():
     # T5 with batch and both lengths symbolic: attention views read sizes (batch x
     # heads) that the backward computes again; such a size's new copy must not drop
