@@ -407,16 +407,20 @@ step's peak at the longest length; every case in a fresh process, one thread (go
 most 1.3x the plain model's time, planning included; not met).
 
 {{training_loops}}
-Graph mode captures the step twice: on the first call, and on the family's first call at
-new sizes with the dimensions that differ symbolic (8.3 s with its plan and check); the
-length 128, which none of the family's plans fit, is solved on that capture (1.05 s, no
-capture), and the other lengths run its plans (0.1 s). Before, graph mode captured every
-new length (about 2 s each): three runs gave 5.01x, 5.28x and 5.57x. The same code's runs
-on this machine vary by about 10 % (module mode: 2.86x, 3.43x beside another process,
-3.16x, 3.11x). With more lengths the symbolic capture pays more: side by side, 50 steps
-over 14 lengths (24 to 128) took 41.4 s capturing every length and 28.0 s with it (5
-lengths: 22.5 s and 20.2 s; process CPU time, `python benchmarks/training_loops.py`'s
-model and budget).
+Graph mode (the default, `dynamic=None`) captures the step twice: on the first call, and
+on the family's first call at new sizes with the dimensions that differ symbolic (6.9 s
+with its plan and check); the length 128, which none of the family's plans fit, is
+solved on that capture (0.84 s, no capture), and the other lengths run its plans
+(0.1 s). With `dynamic=True` the first call is captured with every size symbolic
+(5.9 s with its plan and check, about 2x the default's first call) and no other length
+is captured: 128 is solved in 1.02 s, within the goal for a new shape (3x the plain
+step plus 2 s: 2.2 s), the others run its plans. Before symbolic captures, graph mode
+captured every new length (about 2 s each; the `dynamic=False` row). The same code's
+runs on one machine vary by about 10 %, and machines differ (the plain loop took 3.11 s
+on the one of the previous run, 2.36 s here). With more lengths the symbolic capture
+pays more: side by side, 50 steps over 14 lengths (24 to 128) took 41.4 s capturing
+every length and 28.0 s with the default's symbolic capture (5 lengths: 22.5 s and
+20.2 s; process CPU time, `python benchmarks/training_loops.py`'s model and budget).
 """
 
 #: What each ``{{name}}`` of :data:`PAGE` renders to.

@@ -8,6 +8,7 @@
    ``solver.optimize(model, budget)`` planned lazily on its first call (as a training
    loop meets it) at half of the plain step's peak at the longest length, measured by
    the allocator: in graph mode (the default), in module mode, and in graph mode with
+   ``dynamic=True`` (the first call captured with its sizes symbolic) and with
    ``dynamic=False`` (a plan per length). Reported: the total time of the 50 steps,
    planning included, against the plain model's; the plans made (solves, the watch's
    replans included) and, of them, those that captured the step (graph mode's plans of
@@ -104,7 +105,8 @@ def _loop(case: str, steps: int, queue) -> None:
         run = model
     else:
         budget = _plain_peak(model) // 2
-        options = {"graph": {}, "module": {"mode": "module"}, "graph, dynamic=False": {"dynamic": False}}[case]
+        options = {"graph": {}, "module": {"mode": "module"}, "graph, dynamic=True": {"dynamic": True},
+                   "graph, dynamic=False": {"dynamic": False}}[case]
         run = solver.optimize(model, budget / GiB, **options)
     batches = {n: _batch(n) for n in LENGTHS}
     firsts, seen = [], set()
@@ -194,7 +196,8 @@ def _spawn(target, *args) -> dict:
 def main(argv=None) -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--steps", type=int, default=50)
-    ap.add_argument("--cases", nargs="*", default=["plain", "graph", "module", "graph, dynamic=False"])
+    ap.add_argument("--cases", nargs="*",
+                    default=["plain", "graph", "module", "graph, dynamic=True", "graph, dynamic=False"])
     ap.add_argument("--models", nargs="*", default=["resnet18-like", "bert", "qwen2"])
     args = ap.parse_args(argv)
     loops = []
