@@ -37,3 +37,21 @@ def test_sweep_segments_knee_is_interior():
     assert 1 < best["k"] < 16
     assert rows[-1]["peak"] > best["peak"] and rows[0]["peak"] > best["peak"]
     assert rows[0]["extra"] <= best["extra"]  # k=1 keeps every boundary: least recomputation
+
+
+@pytest.mark.slow
+def test_variable_lengths_example_captures_once_with_dynamic_true():
+    """The variable-length example, one pass over its five lengths: every setting's
+    losses equal the plain model's and every measured step is within the budget;
+    ``dynamic=True`` captures once, ``dynamic=False`` once per length."""
+    pytest.importorskip("transformers")
+    res = subprocess.run([sys.executable, str(ROOT / "examples" / "variable_lengths.py"), "--quick"],
+                         capture_output=True, text=True, timeout=300, cwd=ROOT,
+                         env={**__import__("os").environ, "PYTHONPATH": str(ROOT)})
+    assert res.returncode == 0, res.stderr[-2000:]
+    rows = {cells[0]: cells for cells in ([c.strip() for c in line.strip("|").split("|")]
+                                          for line in res.stdout.splitlines() if line.startswith("| "))}
+    assert set(rows) >= {"None", "True", "False"}, res.stdout
+    for name in ("None", "True", "False"):
+        assert rows[name][4] == "True" and float(rows[name][3]) <= 1.0, rows[name]
+    assert rows["True"][1].endswith("(1)") and rows["False"][1] == "5 (5)", rows
