@@ -41,7 +41,7 @@ from solver.join.data_parallel import data_parallel
 from solver.errors import OptionError
 from solver.join.families import plan_dynamic, resize_step
 from solver.join.fixed import optimizer_state_bytes
-from solver.join.planning import PLANNING_GAP_TOLERANCE, Request, plan_step
+from solver.join.planning import PLANNING_GAP_STEP_SHARE, PLANNING_GAP_TOLERANCE, Request, plan_step
 from solver.report import Report
 from solver.join.verification import SESSION, verify, verify_into
 from solver.join.watch import WATCH
@@ -100,7 +100,7 @@ def optimize(
         Seconds for the solver.
     gap_tolerance : float, optional
         ``method="auto"`` stops once proven within this share of the least extra compute
-        (default :data:`solver.join.planning.PLANNING_GAP_TOLERANCE`).
+        (default: 2 %, or 0.1 % of the step's compute, :mod:`solver.join.planning`).
     mode : {"auto", "graph", "module"}
         ``"graph"``: tensor level, exact. ``"module"``: layer level, the model's own
         blocks checkpointed (what trainers, FSDP2 and HF models compose with).
@@ -493,6 +493,7 @@ def _read_options(model: nn.Module, budget_gb: Any, *, planned_now: bool, method
     request = Request(mode=mode, budget=budget.total_bytes, activation_budget=budget.activation_only, method=method,
                       time_limit=time_limit, compiler=compiler, self_check=self_check, blocks=blocks,
                       gap_tolerance=PLANNING_GAP_TOLERANCE if gap_tolerance is None else float(gap_tolerance),
+                      gap_step_share=PLANNING_GAP_STEP_SHARE if gap_tolerance is None else 0.0,
                       measure_time=measure_time, optimizer_bytes=opt_bytes, dp=dp, loss_fn=loss_fn,
                       watch=watch, mode_pinned=pinned, offload=offload)
     if offload:

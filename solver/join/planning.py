@@ -48,6 +48,10 @@ log = logging.getLogger(__name__)
 #: ``auto``'s gap tolerance when it plans a model's step (twice :func:`solver.solve`'s; docs/tuning.md).
 PLANNING_GAP_TOLERANCE = 0.02
 
+#: ``auto`` also stops once proven within this share of the step's own compute, where the
+#: extra compute is so small that 2 % of it is microseconds (docs/tuning.md).
+PLANNING_GAP_STEP_SHARE = 0.001
+
 #: graph mode's fallbacks, in order, for an ``auto`` schedule that fails the self-check
 FALLBACKS = ("order_search", "chain_dp", "checkpoint_all")
 
@@ -62,6 +66,7 @@ class Request:
     method: str = "auto"
     time_limit: float | None = None
     gap_tolerance: float = PLANNING_GAP_TOLERANCE  # auto's
+    gap_step_share: float = PLANNING_GAP_STEP_SHARE  # auto's; 0 where the caller set gap_tolerance
     compiler: str = "eager"
     self_check: bool = True
     blocks: list[str] | None = None
@@ -700,7 +705,8 @@ def plan_graph(*, cap: Captured, request: Request, session: Session, method: str
         if target >= store_all and method == "auto":
             schedule = solve(cg, target, method="store_all")
         else:
-            tolerance = {"gap_tolerance": request.gap_tolerance} if method == "auto" else {}
+            tolerance = ({"gap_tolerance": request.gap_tolerance, "gap_step_share": request.gap_step_share}
+                         if method == "auto" else {})
             schedule = solve(cg, target, method=method, time_limit=request.time_limit, **tolerance)
     except InfeasibleBudget:
         schedule = offload_only(cg, target, request=request) if offload else None

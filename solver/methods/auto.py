@@ -211,7 +211,7 @@ def _default_limit(n: int) -> float:
 
 def solve_auto(graph: ComputeGraph, budget: int, *, time_limit: float | None = None, exact: bool | None = None,
                bound: bool = True, drop: bool = True, gap_tolerance: float = GAP_TOLERANCE,
-               starts: Sequence[Schedule] | None = None) -> Schedule:
+               gap_step_share: float = 0.0, starts: Sequence[Schedule] | None = None) -> Schedule:
     """Pick methods by graph shape and size; return the best simulated valid schedule.
 
     Parameters
@@ -235,6 +235,10 @@ def solve_auto(graph: ComputeGraph, budget: int, *, time_limit: float | None = N
     gap_tolerance : float
         Default :data:`GAP_TOLERANCE`, 1 %: once the proven gap on the extra compute
         is at most this, auto stops searching and proving and returns.
+    gap_step_share : float
+        Auto also stops once the proven gap is at most this share of the store-all
+        compute (the step's own), however large a share of a small extra compute it is
+        (default 0: the gap on the extra compute alone decides).
     starts : sequence of Schedule, optional
         Schedules to begin from (each is a candidate that keeps its ``method`` name; on
         a training graph the schedule of checkpointing every layer block,
@@ -267,7 +271,7 @@ def solve_auto(graph: ComputeGraph, budget: int, *, time_limit: float | None = N
     (True, True)
     """
     portfolio = _Portfolio(graph, budget, time_limit=time_limit, exact=exact, bound=bound, drop=drop,
-                           gap_tolerance=gap_tolerance, starts=starts)
+                           gap_tolerance=gap_tolerance, gap_step_share=gap_step_share, starts=starts)
     return portfolio.solve()
 
 
@@ -277,7 +281,8 @@ class _Portfolio:
     module docstring, one method per step."""
 
     def __init__(self, graph: ComputeGraph, budget: int, *, time_limit: float | None, exact: bool | None,
-                 bound: bool, drop: bool, gap_tolerance: float, starts: Sequence[Schedule] | None) -> None:
+                 bound: bool, drop: bool, gap_tolerance: float, gap_step_share: float,
+                 starts: Sequence[Schedule] | None) -> None:
         from solver.indexed import IndexedGraph, order_peak
 
         self.t0 = _time.perf_counter()
@@ -295,6 +300,9 @@ class _Portfolio:
         self.tolerance = float(gap_tolerance)
         if not self.tolerance >= 0:
             raise ValueError(f"gap_tolerance must be a fraction >= 0, got {self.tolerance!r}")
+        self.step_share = float(gap_step_share)
+        if not self.step_share >= 0:
+            raise ValueError(f"gap_step_share must be a fraction >= 0, got {self.step_share!r}")
         self.training = bool(graph.backward_nodes())
         self.tried: dict[str, object] = {}  # the cost, or why not, of every candidate
         self.reorders: dict[str, bool] = {}  # whether each candidate leaves the reference order
@@ -337,7 +345,12 @@ class _Portfolio:
 
     def enough(self) -> float:
         """The bound that puts the best schedule of the search within the gap tolerance."""
-        return self.best_key[0] - self.tolerance * (self.best_key[0] - self.base)
+        return self.best_key[0] - self.allowed_gap(self.best_key[0])
+
+    def allowed_gap(self, cost: float) -> float:
+        """The gap that ends the search for a schedule of ``cost``: the tolerance's
+        share of its extra compute, or the step share of the store-all compute."""
+        return max(self.tolerance * (cost - self.base), self.step_share * self.base)
 
     def keeps_order(self) -> bool:
         """Whether the best schedule so far keeps the reference order."""
@@ -723,7 +736,7 @@ class _Portfolio:
 
     def closed(self) -> bool:
         """Whether the winner's bound puts it within the gap tolerance."""
-        return self.bound is not None and self.key[0] - self.bound <= self.tolerance * (self.key[0] - self.base) + 1e-9
+        return self.bound is not None and self.key[0] - self.bound <= self.allowed_gap(self.key[0]) + 1e-9
 
     def late(self) -> bool:
         """On graphs past ``stage_milp_max_ops`` ops, a bound is known and too little time

@@ -291,6 +291,16 @@ def test_the_stage_bounds_close_the_gap_before_the_exact_methods():
     assert not {"cpsat", "checkmate_milp"} & set(s.info["auto"]["tried"])
 
 
+def test_a_gap_small_against_the_step_stops_the_exact_methods():
+    # no tolerance on the extra compute, but a gap of up to the whole store-all compute
+    # allowed: any proven bound is enough, as with a tolerance of 100 %
+    g, budget = _chain10()
+    share = solver.solve(g, budget, method="auto", time_limit=20, gap_tolerance=0.0, gap_step_share=1.0)
+    assert "checkmate_milp" not in share.info["auto"]["tried"]
+    assert share.lower_bound is not None and 0 < share.cost - share.lower_bound <= share.base_cost
+    assert share.peak_bytes <= budget
+
+
 def test_gap_tolerance_must_be_a_fraction():
     import pytest
 
@@ -299,6 +309,8 @@ def test_gap_tolerance_must_be_a_fraction():
     g, budget = _chain10()
     with pytest.raises(ValueError, match="gap_tolerance"):
         solve_auto(g, budget, time_limit=5, gap_tolerance=-0.1)
+    with pytest.raises(ValueError, match="gap_step_share"):
+        solve_auto(g, budget, time_limit=5, gap_step_share=-0.1)
 
 
 def test_past_stage_milps_size_its_first_round_runs_before_the_heuristics(monkeypatch):

@@ -158,11 +158,12 @@ def test_recomputation_really_happens_below_store_all():
 def test_auto_plans_with_the_planning_gap_tolerance_or_the_one_given(monkeypatch):
     import solver.join.planning as planning
 
-    seen = []
+    seen, shares = [], []
     real = planning.solve
 
     def spy(graph, budget_bytes, *, method="auto", **options):
         seen.append((method, options.get("gap_tolerance", "none given")))
+        shares.append(options.get("gap_step_share"))
         return real(graph, budget_bytes, method=method, **options)
 
     monkeypatch.setattr(planning, "solve", spy)
@@ -171,9 +172,12 @@ def test_auto_plans_with_the_planning_gap_tolerance_or_the_one_given(monkeypatch
     budget = (store_all + low) // 2 / GiB
     solver.optimize(model, budget, inputs, measure_time=False)
     assert ("auto", planning.PLANNING_GAP_TOLERANCE) in seen
+    assert planning.PLANNING_GAP_STEP_SHARE in shares
     seen.clear()
+    shares.clear()
     solver.optimize(model, budget, inputs, measure_time=False, gap_tolerance=0)
     assert ("auto", 0) in seen
+    assert 0.0 in shares and planning.PLANNING_GAP_STEP_SHARE not in shares  # the caller's tolerance alone
     seen.clear()
     solver.optimize(model, budget, inputs, measure_time=False, method="eviction")
     assert seen and all(tol == "none given" for _, tol in seen)  # only auto takes one
