@@ -408,16 +408,17 @@ most 1.3x the plain model's time, planning included; not met).
 
 {{training_loops}}
 Graph mode (the default, `dynamic=None`) captures the step twice: on the first call, and
-on the family's first call at new sizes with the dimensions that differ symbolic (6.9 s
+on the family's first call at new sizes with the dimensions that differ symbolic (5.0 s
 with its plan and check); the length 128, which none of the family's plans fit, is
-solved on that capture (0.84 s, no capture), and the other lengths run its plans
-(0.1 s). With `dynamic=True` the first call is captured with every size symbolic
-(5.9 s with its plan and check, about 2x the default's first call) and no other length
-is captured: 128 is solved in 1.02 s, within the goal for a new shape (3x the plain
+solved on that capture (0.75 s, no capture), and the other lengths run its plans
+(0.1 s); that plan solved in 0.13 s once `auto` stopped at 0.1 % of the step's
+compute (2.3 s before, for the 6.9 s of an earlier run). With `dynamic=True` the first call is captured with every size symbolic
+(5.6 s with its plan and check, about 2x the default's first call) and no other length
+is captured: 128 is solved in 0.95 s, within the goal for a new shape (3x the plain
 step plus 2 s: 2.2 s), the others run its plans. Before symbolic captures, graph mode
 captured every new length (about 2 s each; the `dynamic=False` row). The same code's
 runs on one machine vary by about 10 %, and machines differ (the plain loop took 3.11 s
-on the one of the previous run, 2.36 s here). With more lengths the symbolic capture
+on the one of an earlier run, 2.36-2.42 s here). With more lengths the symbolic capture
 pays more: side by side, 50 steps over 14 lengths (24 to 128) took 41.4 s capturing
 every length and 28.0 s with the default's symbolic capture (5 lengths: 22.5 s and
 20.2 s; process CPU time, `python benchmarks/training_loops.py`'s model and budget).
