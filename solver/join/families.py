@@ -131,8 +131,7 @@ def resize_step(model: nn.Module, step: Any, args: tuple, kwargs: dict, *, reque
     inner, report, session = step.step, step.report, step.session
     # graph mode's eager rewrites (the original forward, where the store-all step fits,
     # runs a smaller call as it is)
-    rewritten = (report is not None and report.mode == "graph" and report.graph is not None
-                 and request.compiler == "eager" and request.dp is None)
+    rewritten = report is not None and report.mode == "graph" and report.graph is not None and symbolic_allowed(request)
     if rewritten and (larger or isinstance(inner, ScheduledStep)):
         symbolic = _symbolic_step(model, step, args, kwargs, request=request)
         if symbolic is not None or larger:
@@ -210,8 +209,7 @@ def _symbolic_step(model: nn.Module, step: WatchedStep, args: tuple, kwargs: dic
     from solver.join.planning import plan_step
 
     session, held_back = step.session, step.held_back
-    key = size_family(input_signature(args, kwargs))
-    family = session.families.setdefault(key, SymbolicFamily())
+    family = _family_of(session, args, kwargs)
     if family.failed:
         return None
     if family.graph is None:
@@ -252,6 +250,11 @@ def _symbolic_step(model: nn.Module, step: WatchedStep, args: tuple, kwargs: dic
     if made.report is not None and made.report.graph is not None and is_symbolic(made.report.graph):
         family.plans.append((made.report, made.step))
     return made
+
+
+def _family_of(session: Any, args: tuple, kwargs: dict) -> SymbolicFamily:
+    """The session's record of the call's size family (its signature without sizes)."""
+    return session.families.setdefault(size_family(input_signature(args, kwargs)), SymbolicFamily())
 
 
 def _family_planned(model: nn.Module, args: tuple, kwargs: dict, dims: dict, family: SymbolicFamily, *,
@@ -301,8 +304,7 @@ def plan_dynamic(model: nn.Module, args: tuple, kwargs: dict, *, request: Any, s
     """
     from solver.join.planning import plan_step
 
-    key = size_family(input_signature(args, kwargs))
-    family = session.families.setdefault(key, SymbolicFamily())
+    family = _family_of(session, args, kwargs)
     dims = {i: tuple(range(t.dim())) for i, t in enumerate(tree_leaves((args, kwargs)))
             if isinstance(t, torch.Tensor) and t.dim() > 0}
     if symbolic_allowed(request) and dims and family.graph is None and not family.failed:
